@@ -1,0 +1,93 @@
+"""How the model is compiled: optimization level, shape ranges, cache, CUDA-graph mode."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+# The ops the traced graph is split around. They run eagerly between the compiled pieces.
+DEFAULT_SPLITTING_OPS = ("compiled_llm::attention",)
+
+
+class CUDAGraphMode(enum.Enum):
+    """Which CUDA graphs are captured and replayed.
+
+    The two-part modes name the mode for uniform decode batches first and for every other
+    batch second.
+    """
+
+    NONE = 0
+    PIECEWISE = 1
+    FULL = 2
+    FULL_DECODE_ONLY = (FULL, NONE)
+    FULL_AND_PIECEWISE = (FULL, PIECEWISE)
+
+    def decode_mode(self) -> "CUDAGraphMode":
+        return CUDAGraphMode(self.value[0]) if isinstance(self.value, tuple) else self
+
+    def mixed_mode(self) -> "CUDAGraphMode":
+        return CUDAGraphMode(self.value[1]) if isinstance(self.value, tuple) else self
+
+    def has_full_cudagraphs(self) -> bool:
+        return CUDAGraphMode.FULL in (self.decode_mode(), self.mixed_mode())
+
+    def has_piecewise_cudagraphs(self) -> bool:
+        return CUDAGraphMode.PIECEWISE in (self.decode_mode(), self.mixed_mode())
+
+    def separate_routine(self) -> bool:
+        return isinstance(self.value, tuple)
+
+
+def default_capture_sizes(max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
+    """vLLM's shape of capture sizes: 1, 2, 4, then multiples of 8 up to a bound set by max_num_seqs."""
+    limit = min(max(max_num_seqs * 2, 8), 512, max_num_batched_tokens)
+    sizes = [s for s in (1, 2, 4) if s <= limit]
+    sizes += list(range(8, limit + 1, 8))
+    return sizes
+
+
+@dataclass
+class CompilationConfig:
+    level: int | None = None  # -O: 0 eager, 1 compiled pieces, 2 pieces + CUDA graphs; None: per device
+    cache_dir: str | None = None  # root of the compile cache; None: under the user cache dir
+    compile_ranges: list[tuple[int, int]] | None = None  # None: one range [1, max_num_batched_tokens]
+    compile_sizes: list[int] = field(default_factory=list)
+    splitting_ops: list[str] = field(default_factory=lambda: list(DEFAULT_SPLITTING_OPS))
+    require_cache_hit: bool = False
+    cudagraph_mode: CUDAGraphMode | None = None  # None: FULL_AND_PIECEWISE at -O2, else NONE
+    cudagraph_capture_sizes: list[int] | None = None
+    inductor_options: dict[str, Any] = field(default_factory=dict)
+
+    def resolve(self, device_type: str, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        """Fill every `None` with the default for the device and the scheduler's limits."""
+        if self.level is None:
+            self.level = 2 if device_type == "cuda" else 1
+        if self.level not in (0, 1, 2):
+            raise ValueError(f"optimization level must be 0, 1 or 2, got {self.level}.")
+        if self.compile_ranges is None:
+            self.compile_ranges = [(1, max_num_batched_tokens)]
+        self.compile_ranges = sorted((int(lo), int(hi)) for lo, hi in self.compile_ranges)
+        for lo, hi in self.compile_ranges:
+            if not 1 <= lo <= hi <= max_num_batched_tokens:
+                raise ValueError(
+                    f"compile range [{lo}, {hi}] must lie within [1, max_num_batched_tokens="
+                    f"{max_num_batched_tokens}]."
+                )
+        for (_, hi), (lo, _) in zip(self.compile_ranges, self.compile_ranges[1:]):
+            if lo <= hi:
+                raise ValueError(f"compile ranges overlap: {self.compile_ranges}.")
+        self.compile_sizes = sorted({int(s) for s in self.compile_sizes})
+        for s in self.compile_sizes:
+            if not 1 <= s <= max_num_batched_tokens:
+                raise ValueError(f"compile size {s} is outside [1, {max_num_batched_tokens}].")
+        if self.cudagraph_mode is None:
+            on_gpu = device_type == "cuda" and self.level >= 2
+            self.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE if on_gpu else CUDAGraphMode.NONE
+        if device_type != "cuda":
+            self.cudagraph_mode = CUDAGraphMode.NONE
+        if self.cudagraph_capture_sizes is None:
+            self.cudagraph_capture_sizes = default_capture_sizes(max_num_seqs, max_num_batched_tokens)
+        self.cudagraph_capture_sizes = sorted(
+            {s for s in self.cudagraph_capture_sizes if 1 <= s <= max_num_batched_tokens}
+        )

@@ -1,0 +1,212 @@
+"""Engine configuration: one small dataclass per concern, gathered in `EngineConfig`.
+
+`EngineArgs` (engine/arg_utils.py) turns user flags into these; everything below the
+entrypoints reads only these.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from compiled_llm.compilation.config import CompilationConfig
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype, hf_config: Any, device: torch.device) -> torch.dtype:
+    """`auto` is float32 on a CPU (no native bf16 there) and the checkpoint's dtype on a GPU."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype != "auto":
+        if dtype not in _DTYPES:
+            raise ValueError(f"Unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16.")
+        return _DTYPES[dtype]
+    if device.type == "cpu":
+        return torch.float32
+    checkpoint = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(checkpoint, str):
+        checkpoint = _DTYPES.get(checkpoint)
+    if checkpoint in (None, torch.float32):
+        return torch.bfloat16
+    return checkpoint
+
+
+def rope_parameters(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
+    """Read `rope_theta` and the scaling dict under both transformers 4 and 5 spellings.
+
+    transformers 5 nests `rope_theta` inside `rope_parameters`; a silent fallback to a default
+    theta would corrupt every output, so a missing theta is an error.
+    """
+    params = getattr(hf_config, "rope_parameters", None)
+    theta = getattr(hf_config, "rope_theta", None)
+    scaling = getattr(hf_config, "rope_scaling", None)
+    if isinstance(params, dict):
+        theta = params.get("rope_theta", theta)
+        if scaling is None:
+            scaling = params
+    if theta is None:
+        raise ValueError("The model config has no rope_theta (neither top-level nor in rope_parameters).")
+    if scaling is not None:
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        scaling = None if kind in (None, "default") else dict(scaling, rope_type=kind)
+    return float(theta), scaling
+
+
+@dataclass
+class ModelConfig:
+    model: str  # a local Hugging Face folder
+    hf_config: Any
+    dtype: torch.dtype
+    max_model_len: int
+    eos_token_ids: list[int]
+    served_model_name: str
+    seed: int = 0
+
+    @property
+    def architecture(self) -> str:
+        return self.hf_config.architectures[0]
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+    @property
+    def num_heads(self) -> int:
+        return self.hf_config.num_attention_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        return getattr(self.hf_config, "num_key_value_heads", None) or self.num_heads
+
+    @property
+    def head_dim(self) -> int:
+        return getattr(self.hf_config, "head_dim", None) or self.hf_config.hidden_size // self.num_heads
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    @classmethod
+    def from_folder(
+        cls,
+        model: str,
+        dtype: str | torch.dtype,
+        device: torch.device,
+        max_model_len: int | None = None,
+        served_model_name: str | None = None,
+        seed: int = 0,
+    ) -> "ModelConfig":
+        from transformers import AutoConfig
+
+        folder = Path(model)
+        if not folder.is_dir():
+            raise FileNotFoundError(
+                f"Model folder {model!r} does not exist. compiled-llm loads local Hugging Face folders "
+                "(config.json, *.safetensors, tokenizer files); nothing is fetched from a hub."
+            )
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(f"{folder} has no config.json; it is not a Hugging Face model folder.")
+        hf_config = AutoConfig.from_pretrained(folder)
+        archs = getattr(hf_config, "architectures", None) or []
+        if not archs or archs[0] not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"Unsupported architecture {archs[0] if archs else None!r} in {folder}/config.json; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}."
+            )
+        rope_parameters(hf_config)  # fail early on a config without rope_theta
+        limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+        if max_model_len is None:
+            max_model_len = limit
+        elif max_model_len > limit:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings ({limit})."
+            )
+        return cls(
+            model=str(folder),
+            hf_config=hf_config,
+            dtype=resolve_dtype(dtype, hf_config, device),
+            max_model_len=int(max_model_len),
+            eos_token_ids=_eos_token_ids(folder, hf_config),
+            served_model_name=served_model_name or folder.name,
+            seed=seed,
+        )
+
+
+def _eos_token_ids(folder: Path, hf_config: Any) -> list[int]:
+    """EOS ids from generation_config.json, falling back to config.json."""
+    eos: Any = None
+    gen = folder / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+    if eos is None:
+        eos = getattr(hf_config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    num_blocks: int | None = None  # decided by the model runner from the memory budget
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}.")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError("kv_cache_memory_bytes must be positive.")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1.")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}): every running request needs a token per step."
+            )
+
+
+@dataclass
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    compilation_config: CompilationConfig
+    device: str = "cpu"
+    num_threads: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+
+def default_num_threads() -> int:
+    return int(os.environ.get("COMPILED_LLM_NUM_THREADS", 0)) or (os.cpu_count() or 1)

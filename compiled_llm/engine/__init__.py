@@ -1,0 +1,1 @@
+"""The engine: frontend, engine core and its clients, scheduler, KV cache manager, detokenizer."""

@@ -1,0 +1,68 @@
+"""The engine core: scheduler + model runner, stepped one batch at a time.
+
+`EngineCore` is the in-process object; `engine/core_proc.py` runs one in its own process
+behind ZeroMQ sockets.
+"""
+
+from __future__ import annotations
+
+import time
+
+from compiled_llm.config import EngineConfig
+from compiled_llm.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from compiled_llm.engine.request import Request
+from compiled_llm.engine.scheduler import Scheduler
+from compiled_llm.logger import init_logger
+from compiled_llm.worker.model_runner import ModelRunner
+
+logger = init_logger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, load_format: str = "auto") -> None:
+        started = time.perf_counter()
+        self.config = config
+        self.runner = ModelRunner(config, load_format)
+        logger.info("Model weights loaded in %.2f s.", self.runner.load_seconds)
+        t = time.perf_counter()
+        num_blocks = self.runner.determine_num_blocks()
+        config.cache_config.num_blocks = num_blocks
+        self.runner.initialize_kv_cache(num_blocks)
+        self.kv_seconds = time.perf_counter() - t
+        self.runner.compile_or_warm_up()
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, config.model_config.eos_token_ids)
+        self.startup_seconds = time.perf_counter() - started
+        logger.info("Engine core ready in %.2f s.", self.startup_seconds)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.scheduler.add_request(
+            Request(
+                request.request_id,
+                request.prompt_token_ids,
+                request.sampling_params,
+                self.config.model_config.eos_token_ids,
+                self.config.cache_config.block_size,
+                request.arrival_time,
+                request.priority,
+            )
+        )
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.abort_requests(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> EngineCoreOutputs:
+        if not self.scheduler.has_unfinished_requests():
+            return EngineCoreOutputs([], self.scheduler.make_stats(), time.time())
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.runner.execute_model(scheduler_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        return EngineCoreOutputs(outputs, self.scheduler.make_stats(), time.time())
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.kv.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        pass

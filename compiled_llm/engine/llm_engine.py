@@ -1,0 +1,83 @@
+"""`LLMEngine`: the synchronous engine behind the offline `LLM` API.
+
+Processor (tokenize, validate) -> in-process `EngineCore` -> `OutputProcessor` (detokenize,
+stop strings), stepped by the caller.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from compiled_llm.config import EngineConfig
+from compiled_llm.engine.arg_utils import EngineArgs
+from compiled_llm.engine.engine_core import EngineCore
+from compiled_llm.engine.messages import EngineCoreRequest
+from compiled_llm.engine.output_processor import OutputProcessor, ParentRequest
+from compiled_llm.engine.processor import Processor, PromptType
+from compiled_llm.engine.tokenizer import get_tokenizer
+from compiled_llm.outputs import RequestOutput
+from compiled_llm.sampling_params import SamplingParams
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.tokenizer = get_tokenizer(config.model_config.model)
+        self.processor = Processor(config.model_config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.engine_core = EngineCore(config, config.extra.get("load_format", "auto"))
+        self._engine_ids: dict[str, list[str]] = {}  # user id -> engine ids (n > 1 has several)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        return cls(args.create_engine_config())
+
+    def process(
+        self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None
+    ) -> tuple[EngineCoreRequest, str | None]:
+        """Tokenize and validate without adding: raises ValueError for a bad request."""
+        return self.processor.process(request_id, prompt, params, arrival_time)
+
+    def add_processed(self, request: EngineCoreRequest, prompt: str | None) -> None:
+        params = request.sampling_params
+        external_id = request.request_id
+        if params.n == 1:
+            self.output_processor.add_request(request, prompt, external_id)
+            self.engine_core.add_request(request)
+            self._engine_ids[external_id] = [external_id]
+            return
+        parent = ParentRequest(external_id, params)
+        ids = []
+        for index in range(params.n):
+            child = EngineCoreRequest(
+                parent.child_id(index), request.prompt_token_ids, parent.child_params(index),
+                request.arrival_time, request.priority,
+            )
+            self.output_processor.add_request(child, prompt, external_id, parent, index)
+            self.engine_core.add_request(child)
+            ids.append(child.request_id)
+        self._engine_ids[external_id] = ids
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
+        self.add_processed(*self.process(request_id, prompt, params))
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        engine_ids = [eid for rid in request_ids for eid in self._engine_ids.pop(rid, [])]
+        self.output_processor.abort_requests(engine_ids)
+        self.engine_core.abort_requests(engine_ids)
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self.engine_core.step()
+        processed = self.output_processor.process_outputs(outputs.outputs)
+        if processed.reqs_to_abort:
+            self.engine_core.abort_requests(processed.reqs_to_abort)
+        for out in processed.request_outputs:
+            if out.finished:
+                self._engine_ids.pop(out.request_id, None)
+        return processed.request_outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests() or self.engine_core.has_unfinished_requests()
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer

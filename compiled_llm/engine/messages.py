@@ -1,0 +1,84 @@
+"""Messages between the frontend and the engine core.
+
+msgspec Structs, encoded as msgpack on the wire: a peer can send data, never code (no pickle).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import msgspec
+
+from compiled_llm.sampling_params import SamplingParams
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = 0.0
+    priority: int = 0
+
+
+class LogprobsLists(msgspec.Struct, array_like=True):
+    """Log probabilities of the tokens sampled in one step for one request.
+
+    Row i: the sampled token first, then the top-k candidates (ranks 1..k).
+    """
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    sampled_ranks: list[int]
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: LogprobsLists | None = None
+    finish_reason: str | None = None  # "stop", "length", "abort"
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct, omit_defaults=True):
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0  # newly scheduled prompt tokens since the last stats
+    num_generation_tokens: int = 0
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
+    outputs: list[EngineCoreOutput] = []
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+    # Replies to utility calls: (call id, result, error message)
+    utility_output: tuple[int, object, str | None] | None = None
+    engine_dead: bool = False
+
+
+class RequestType(bytes, enum.Enum):
+    """First frame of every message to the engine core."""
+
+    ADD = b"\x00"
+    ABORT = b"\x01"
+    UTILITY = b"\x02"
+    SHUTDOWN = b"\x03"
+
+
+class UtilityRequest(msgspec.Struct, array_like=True):
+    call_id: int
+    method: str
+    args: list = []
+
+
+def now() -> float:
+    return time.time()

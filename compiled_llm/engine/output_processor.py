@@ -1,0 +1,191 @@
+"""Frontend-side output handling: engine-core outputs -> `RequestOutput`s.
+
+Detokenizes incrementally, applies stop strings (asking the engine to abort a request whose
+stop string was found), builds logprobs, and gathers the `n` child requests of a parallel
+sampling request into one output.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from compiled_llm.engine.detokenizer import IncrementalDetokenizer
+from compiled_llm.engine.messages import EngineCoreOutput, EngineCoreRequest, LogprobsLists
+from compiled_llm.engine.tokenizer import TokenTexts
+from compiled_llm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from compiled_llm.sampling_params import RequestOutputKind, SamplingParams
+
+
+class ParentRequest:
+    """A request with `n > 1`: its children run as separate engine requests."""
+
+    def __init__(self, request_id: str, params: SamplingParams) -> None:
+        self.request_id = request_id
+        self.params = params
+        self.n = params.n
+        self.children: dict[int, CompletionOutput] = {}
+        self.num_finished = 0
+
+    def child_id(self, index: int) -> str:
+        return f"{index}_{self.request_id}"
+
+    def child_params(self, index: int) -> SamplingParams:
+        seed = None if self.params.seed is None else self.params.seed + index
+        return self.params.clone(n=1, seed=seed)
+
+
+@dataclass
+class RequestState:
+    request_id: str  # the engine's id (a child's id for n > 1)
+    external_id: str  # the id the user sees
+    index: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer | None
+    parent: ParentRequest | None
+    metrics: RequestMetrics
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    num_cached_tokens: int = 0
+    sent_tokens: int = 0  # for DELTA outputs
+    sent_logprobs: int = 0
+    queue: Any = None  # the async frontend's per-request stream
+
+
+@dataclass
+class ProcessedOutputs:
+    request_outputs: list[RequestOutput]
+    reqs_to_abort: list[str]  # engine ids whose stop string was found here
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.token_text = TokenTexts(tokenizer)
+        self.states: dict[str, RequestState] = {}
+        # Hook for metrics: called with (state, finished) after each output.
+        self.on_output: Callable[[RequestState, EngineCoreOutput], None] | None = None
+
+    def add_request(
+        self,
+        request: EngineCoreRequest,
+        prompt: str | None,
+        external_id: str,
+        parent: ParentRequest | None = None,
+        index: int = 0,
+        queue: Any = None,
+    ) -> None:
+        params = request.sampling_params
+        detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params) if params.detokenize else None
+        state = RequestState(
+            request.request_id, external_id, index, prompt, request.prompt_token_ids, params, detok, parent,
+            RequestMetrics(arrival_time=request.arrival_time), queue=queue,
+        )
+        if params.logprobs is not None:
+            state.logprobs, state.cumulative_logprob = [], 0.0
+        self.states[request.request_id] = state
+
+    def abort_requests(self, request_ids: list[str]) -> list[str]:
+        """Forget requests; returns the engine ids that were still open."""
+        return [rid for rid in request_ids if self.states.pop(rid, None) is not None]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.states)
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        request_outputs: list[RequestOutput] = []
+        to_abort: list[str] = []
+        now = time.time()
+        for out in outputs:
+            state = self.states.get(out.request_id)
+            if state is None:
+                continue  # aborted here while the engine was still producing
+            finish_reason, stop_reason = out.finish_reason, out.stop_reason
+            new_ids = out.new_token_ids
+            if state.detokenizer is not None and new_ids:
+                stop, used = state.detokenizer.update(new_ids)
+                if stop is not None:
+                    new_ids = new_ids[:used]
+                    if finish_reason is None:
+                        to_abort.append(out.request_id)
+                    finish_reason, stop_reason = "stop", stop
+            state.token_ids.extend(new_ids)
+            state.num_cached_tokens = out.num_cached_tokens
+            if out.new_logprobs is not None and state.logprobs is not None:
+                self._append_logprobs(state, out.new_logprobs, len(new_ids))
+            m = state.metrics
+            if new_ids:
+                m.first_token_time = m.first_token_time or now
+                m.last_token_time = now
+            finished = finish_reason is not None
+            if finished:
+                m.finished_time = now
+                del self.states[out.request_id]
+            if self.on_output is not None:
+                self.on_output(state, out)
+            result = self._make_output(state, finish_reason, stop_reason)
+            if result is not None:
+                if state.queue is not None:
+                    state.queue.put(result)
+                else:
+                    request_outputs.append(result)
+        return ProcessedOutputs(request_outputs, to_abort)
+
+    def _append_logprobs(self, state: RequestState, lists: LogprobsLists, num_tokens: int) -> None:
+        for ids, lps, rank in list(zip(lists.token_ids, lists.logprobs, lists.sampled_ranks))[:num_tokens]:
+            entry: dict[int, Logprob] = {ids[0]: Logprob(lps[0], rank, self.token_text(ids[0]))}
+            for r, (tid, lp) in enumerate(zip(ids[1:], lps[1:]), start=1):
+                if tid not in entry:
+                    entry[tid] = Logprob(lp, r, self.token_text(tid))
+            state.logprobs.append(entry)  # type: ignore[union-attr]
+            state.cumulative_logprob += lps[0]  # type: ignore[operator]
+
+    def _completion(self, state: RequestState, finish_reason: str | None, stop_reason: Any) -> CompletionOutput:
+        finished = finish_reason is not None
+        delta = state.params.output_kind == RequestOutputKind.DELTA
+        text = state.detokenizer.get_next_output_text(finished, delta) if state.detokenizer else ""
+        if delta:
+            token_ids = state.token_ids[state.sent_tokens :]
+            logprobs = state.logprobs[state.sent_logprobs :] if state.logprobs is not None else None
+            state.sent_tokens = len(state.token_ids)
+            state.sent_logprobs = len(state.logprobs or [])
+        else:
+            token_ids, logprobs = list(state.token_ids), (list(state.logprobs) if state.logprobs is not None else None)
+        return CompletionOutput(
+            state.index, text, token_ids, state.cumulative_logprob, logprobs, finish_reason, stop_reason
+        )
+
+    def _make_output(self, state: RequestState, finish_reason: str | None, stop_reason: Any) -> RequestOutput | None:
+        finished = finish_reason is not None
+        kind = state.params.output_kind
+        parent = state.parent
+        if parent is None:
+            if kind == RequestOutputKind.FINAL_ONLY and not finished:
+                return None
+            completion = self._completion(state, finish_reason, stop_reason)
+            return self._request_output(state, [completion], finished)
+        # n > 1: one output gathering the children.
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        completion = self._completion(state, finish_reason, stop_reason)
+        parent.children[state.index] = completion
+        if finished:
+            parent.num_finished += 1
+        all_done = parent.num_finished == parent.n
+        if kind == RequestOutputKind.DELTA:
+            return self._request_output(state, [completion], all_done)
+        if kind == RequestOutputKind.FINAL_ONLY and not all_done:
+            return None
+        ordered = [parent.children[i] for i in sorted(parent.children)]
+        return self._request_output(state, ordered, all_done)
+
+    @staticmethod
+    def _request_output(state: RequestState, outputs: list[CompletionOutput], finished: bool) -> RequestOutput:
+        return RequestOutput(
+            state.external_id, state.prompt, state.prompt_token_ids, outputs, finished,
+            state.num_cached_tokens, state.metrics,
+        )

@@ -1,0 +1,72 @@
+"""Turns a user's prompt and sampling params into a validated `EngineCoreRequest`."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Union
+
+from compiled_llm.config import ModelConfig
+from compiled_llm.engine.messages import EngineCoreRequest
+from compiled_llm.sampling_params import SamplingParams
+
+# A prompt: text, token ids, or vLLM's dict forms.
+PromptType = Union[str, list[int], dict[str, Any]]
+
+MAX_LOGPROBS = 20
+
+
+class Processor:
+    def __init__(self, model_config: ModelConfig, tokenizer: Any) -> None:
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.vocab_size = max(model_config.vocab_size, len(tokenizer))
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer(prompt)["input_ids"]
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                text = prompt["prompt"]
+                return text, self.tokenizer(text)["input_ids"]
+            raise ValueError("A prompt dict needs 'prompt' or 'prompt_token_ids'.")
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"Unsupported prompt type {type(prompt).__name__}; use a string, token ids or a dict.")
+
+    def process(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> tuple[EngineCoreRequest, str | None]:
+        text, token_ids = self.tokenize(prompt)
+        params = self.validate(token_ids, params)
+        request = EngineCoreRequest(request_id, token_ids, params, arrival_time or time.time(), priority)
+        return request, text
+
+    def validate(self, token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """Check the request against the model; returns params with `max_tokens` filled in."""
+        max_len = self.model_config.max_model_len
+        if not token_ids:
+            raise ValueError("The prompt is empty.")
+        if len(token_ids) > max_len:
+            raise ValueError(
+                f"The prompt is {len(token_ids)} tokens long, longer than the maximum context length "
+                f"of {max_len} tokens."
+            )
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"Token id {bad[0]} is out of the vocabulary (size {self.vocab_size}).")
+        bad = [t for t in params.stop_token_ids or [] if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids holds {bad[0]}, outside the vocabulary (size {self.vocab_size}).")
+        if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be at most {MAX_LOGPROBS}, got {params.logprobs}.")
+        room = max_len - len(token_ids)
+        if params.max_tokens is None:
+            params = params.clone(max_tokens=max(room, 1))
+        return params

@@ -1,0 +1,82 @@
+"""One request's state inside the engine core: its tokens, progress, blocks' hashes and status."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from compiled_llm.engine.block_hash import BlockHash, hash_block_tokens
+from compiled_llm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Finished states: everything from here on.
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {3: "stop", 4: "length", 5: "abort"}.get(int(self))
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: list[int],
+        block_size: int,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling_params = sampling_params
+        self.eos_token_ids = frozenset(() if sampling_params.ignore_eos else eos_token_ids)
+        self.stop_token_ids = frozenset(sampling_params.stop_token_ids or ())
+        self.max_tokens = sampling_params.max_tokens
+        self.arrival_time = arrival_time if arrival_time is not None else time.time()
+        self.priority = priority
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 until admitted
+        self.num_preemptions = 0
+        self.block_size = block_size
+        self.block_hashes: list[BlockHash] = []
+        self._update_block_hashes()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    def append_output_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+        if self.num_tokens % self.block_size == 0:
+            self._update_block_hashes()
+
+    def _update_block_hashes(self) -> None:
+        """Hash every newly full block, chained on the previous block's hash."""
+        size = self.block_size
+        for start in range(len(self.block_hashes) * size, self.num_tokens - size + 1, size):
+            parent = self.block_hashes[-1] if self.block_hashes else None
+            self.block_hashes.append(hash_block_tokens(parent, self.all_token_ids[start : start + size]))

@@ -1,0 +1,127 @@
+"""The offline Python API: `LLM(...).generate(prompts, SamplingParams(...))`, as in vLLM."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence, Union
+
+from tqdm.auto import tqdm
+
+from compiled_llm.engine.arg_utils import EngineArgs
+from compiled_llm.engine.llm_engine import LLMEngine
+from compiled_llm.engine.processor import PromptType
+from compiled_llm.outputs import RequestOutput
+from compiled_llm.sampling_params import RequestOutputKind, SamplingParams
+
+ChatMessages = list[dict[str, Any]]
+
+
+class LLM:
+    """Generate text offline, in batches, with the engine in this process.
+
+    `optimization_level`: 0 eager, 1 compiled pieces, 2 pieces + CUDA graphs;
+    None picks 1 on a CPU and 2 on a GPU.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str = "auto",
+        optimization_level: int | None = None,
+        compile_cache: str | None = None,
+        max_model_len: int | None = None,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        enable_prefix_caching: bool = True,
+        kv_cache_memory_bytes: int | None = None,
+        block_size: int = 16,
+        seed: int = 0,
+        **kwargs: Any,
+    ) -> None:
+        args = EngineArgs(
+            model=model,
+            dtype=dtype,
+            optimization_level=optimization_level,
+            compile_cache=compile_cache,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            block_size=block_size,
+            seed=seed,
+            **kwargs,
+        )
+        self.llm_engine = LLMEngine.from_engine_args(args)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.get_tokenizer()
+
+    def generate(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"Got {len(params_list)} SamplingParams for {len(prompts)} prompts; pass one, or one per prompt."
+                )
+        return self._run(prompts, params_list, use_tqdm)
+
+    def chat(
+        self,
+        messages: ChatMessages | list[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.get_tokenizer()
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(
+                conversation, chat_template=chat_template, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, prompts: list[PromptType], params_list: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        # Validate everything first: a bad prompt raises before any request is queued.
+        processed = []
+        for prompt, params in zip(prompts, params_list):
+            params = params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+            processed.append(engine.process(str(next(self._ids)), prompt, params))
+        order = {request.request_id: i for i, (request, _) in enumerate(processed)}
+        for request, text in processed:
+            engine.add_processed(request, text)
+        results: list[RequestOutput | None] = [None] * len(processed)
+        bar = tqdm(total=len(processed), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        generated = 0
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        results[order[out.request_id]] = out
+                        generated += sum(len(c.token_ids) for c in out.outputs)
+                        bar.update(1)
+                        bar.set_postfix_str(f"output {generated / max(bar.format_dict['elapsed'], 1e-9):.1f} tok/s")
+        except BaseException:
+            engine.abort_request(list(order))
+            raise
+        finally:
+            bar.close()
+        return [r for r in results if r is not None]

@@ -1,0 +1,1 @@
+"""Model implementations written for this engine, and the loader that fills them."""

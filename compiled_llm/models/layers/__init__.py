@@ -1,0 +1,1 @@
+"""Building blocks of the models: one layer kind a file."""

@@ -1,0 +1,66 @@
+"""The attention custom op, `compiled_llm::attention`, and the layer that calls it.
+
+The op is the seam the compiler splits the graph around: everything between two attention
+calls is compiled, the op itself runs eagerly. It takes only tensors and the softmax scale
+(no layer names): the layer's own KV cache is passed in as a tensor (a non-persistent buffer
+of the layer), and the step's metadata comes from the forward context.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from compiled_llm.compilation.forward_context import get_forward_context
+
+_lib = torch.library.Library("compiled_llm", "FRAGMENT")
+_lib.define(
+    "attention(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_cache, float scale) -> Tensor"
+)
+
+
+def _attention_cpu(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, scale: float
+) -> torch.Tensor:
+    from compiled_llm.kernels.cpu_attention import paged_attention, write_kv_cache
+
+    metadata = get_forward_context().attn_metadata
+    write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+    return paged_attention(query, key, value, kv_cache, metadata, scale)
+
+
+def _attention_cuda(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, scale: float
+) -> torch.Tensor:
+    from compiled_llm.kernels.triton_attention import unified_attention, write_kv_cache
+
+    metadata = get_forward_context().attn_metadata
+    write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+    return unified_attention(query, kv_cache, metadata, scale)
+
+
+def _attention_fake(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, scale: float
+) -> torch.Tensor:
+    return torch.empty_like(query)
+
+
+_lib.impl("attention", _attention_cpu, "CPU")
+_lib.impl("attention", _attention_cuda, "CUDA")
+torch.library.register_fake("compiled_llm::attention", _attention_fake, lib=_lib)
+
+
+class Attention(nn.Module):
+    """Multi-head attention over the paged KV cache (GQA when num_kv_heads < num_heads)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        # Replaced by the model runner with this layer's slice of the KV cache.
+        self.register_buffer("kv_cache", torch.empty(0), persistent=False)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """[T, H, D] queries, [T, Hkv, D] keys and values -> [T, H * D]."""
+        out = torch.ops.compiled_llm.attention(query, key, value, self.kv_cache, self.scale)
+        return out.view(-1, self.num_heads * self.head_dim)

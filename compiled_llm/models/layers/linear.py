@@ -1,0 +1,57 @@
+"""Linear layers, including the fused ones (QKV, gate-up) that load several checkpoint tensors."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Linear(nn.Module):
+    """`y = x W^T + b` with uninitialised parameters: the loader fills them."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | str | None) -> None:
+        if loaded.shape != param.shape:
+            raise ValueError(f"shape mismatch: checkpoint {tuple(loaded.shape)} vs model {tuple(param.shape)}")
+        param.data.copy_(loaded)
+
+
+class MergedLinear(Linear):
+    """Several linear maps of the same input stacked along the output dim (one matmul, not many)."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
+        super().__init__(in_features, sum(output_sizes), bias)
+        self.output_sizes = output_sizes
+        self.offsets = [sum(output_sizes[:i]) for i in range(len(output_sizes))]
+
+    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | str | None) -> None:
+        index = self.shard_index(shard)
+        start, size = self.offsets[index], self.output_sizes[index]
+        target = param.data.narrow(0, start, size)
+        if loaded.shape != target.shape:
+            raise ValueError(f"shape mismatch: checkpoint {tuple(loaded.shape)} vs shard {tuple(target.shape)}")
+        target.copy_(loaded)
+
+    def shard_index(self, shard: int | str | None) -> int:
+        if not isinstance(shard, int):
+            raise ValueError(f"{type(self).__name__} needs an integer shard, got {shard!r}")
+        return shard
+
+
+class QKVLinear(MergedLinear):
+    """The query, key and value projections of one attention layer, fused."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool) -> None:
+        super().__init__(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], bias)
+
+    def shard_index(self, shard: int | str | None) -> int:
+        return {"q": 0, "k": 1, "v": 2}[shard]  # type: ignore[index]

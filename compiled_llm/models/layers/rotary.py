@@ -1,0 +1,59 @@
+"""Rotary position embeddings (NeoX layout, as Llama and Qwen use), with llama3 and linear scaling."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    factor = scaling["factor"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates queries and keys by their positions, from a precomputed cos/sin table."""
+
+    def __init__(
+        self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None = None
+    ) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        inv_freq = _inv_freq(head_dim, theta)
+        positions = torch.arange(max_position, dtype=torch.float64)
+        kind = scaling["rope_type"] if scaling else "default"
+        if kind == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, scaling)  # type: ignore[arg-type]
+        elif kind == "linear":
+            positions = positions / scaling["factor"]  # type: ignore[index]
+        elif kind != "default":
+            raise ValueError(f"Unsupported rope scaling type {kind!r}; supported: default, linear, llama3.")
+        freqs = torch.outer(positions, inv_freq)
+        cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(torch.float32)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.float().chunk(2, dim=-1)
+        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        return out.to(x.dtype)
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`query` [T, H, D] and `key` [T, Hkv, D] rotated by `positions` [T]."""
+        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
+        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)

@@ -1,0 +1,142 @@
+"""The Llama decoder (SmolLM2 is one), written for this engine.
+
+Qwen2 (bias on the QKV projection) and Qwen3 (RMSNorm on each query and key head) are the same
+decoder with a flag each; their files subclass this one. `forward` is pure tensor code over one
+flat batch of tokens: it is what Dynamo traces.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from compiled_llm.config import rope_parameters
+from compiled_llm.models.layers.activation import SiluAndMul
+from compiled_llm.models.layers.attention import Attention
+from compiled_llm.models.layers.layernorm import RMSNorm
+from compiled_llm.models.layers.linear import Linear, MergedLinear, QKVLinear
+from compiled_llm.models.layers.rotary import RotaryEmbedding
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, config: Any, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias)
+        o_bias = bool(getattr(config, "attention_bias", False)) and not qk_norm and not qkv_bias
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.rotary_emb = rotary
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"Unsupported hidden_act {config.hidden_act!r}; only silu is implemented.")
+        self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: Any, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.self_attn = DecoderAttention(config, rotary, qkv_bias, qk_norm)
+        self.mlp = DecoderMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        theta, scaling = rope_parameters(config)
+        rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, rotary, qkv_bias, qk_norm) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    qkv_bias = False
+    qk_norm = False
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        qkv_bias = self.qkv_bias or bool(getattr(config, "attention_bias", False))
+        self.model = DecoderModel(config, qkv_bias, self.qk_norm)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Hidden states of a flat batch of tokens: [T] ids and positions -> [T, hidden]."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head_weight)
+
+    # Checkpoint name fragments that load into one shard of a fused parameter.
+    stacked_params = (
+        (".qkv_proj.", ".q_proj.", "q"),
+        (".qkv_proj.", ".k_proj.", "k"),
+        (".qkv_proj.", ".v_proj.", "v"),
+        (".gate_up_proj.", ".gate_proj.", 0),
+        (".gate_up_proj.", ".up_proj.", 1),
+    )

@@ -1,0 +1,101 @@
+"""`SamplingParams`: how one request is sampled and when it stops (vLLM's names and defaults).
+
+It is a msgspec Struct so that it crosses the ZeroMQ boundary to the engine as msgpack, never
+as pickle.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+import msgspec
+
+_SAMPLING_EPS = 1e-5
+
+
+class RequestOutputKind(IntEnum):
+    CUMULATIVE = 0  # every output holds everything generated so far
+    DELTA = 1  # every output holds only what is new since the last one
+    FINAL_ONLY = 2  # one output, when the request finishes
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.temperature < _SAMPLING_EPS:
+            # Greedy: the other sampling knobs have no effect; normalise them.
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+        if self.top_k == -1:
+            self.top_k = 0
+        self._verify()
+
+    def _verify(self) -> None:
+        def bad(field: str, why: str) -> ValueError:
+            return ValueError(f"{field} {why}, got {getattr(self, field)!r}.")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", "must be an integer >= 1")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", "must be in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", "must be in [-2, 2]")
+        if not self.repetition_penalty > 0.0:
+            raise bad("repetition_penalty", "must be > 0")
+        if not self.temperature >= 0.0:
+            raise bad("temperature", "must be non-negative")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "must be in (0, 1]")
+        if self.top_k < 0:
+            raise bad("top_k", "must be 0 or -1 (disabled) or a positive integer")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "must be in [0, 1]")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise bad("max_tokens", "must be at least 1")
+        if self.min_tokens < 0:
+            raise bad("min_tokens", "must be non-negative")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise bad("logprobs", "must be non-negative")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise bad("seed", "is out of range")
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            raise bad("stop", "must hold non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must hold non-negative token ids")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True.")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _SAMPLING_EPS
+
+    def clone(self, **changes) -> "SamplingParams":
+        return msgspec.structs.replace(self, **changes)

@@ -1,0 +1,61 @@
+"""Small helpers shared by several layers: paths, devices, free ports, atomic writes."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+import torch
+
+
+def user_cache_dir() -> Path:
+    """Root of everything this package caches on disk.
+
+    `COMPILED_LLM_CACHE` wins, then `$XDG_CACHE_HOME/compiled-llm`, then `~/.cache/compiled-llm`.
+    """
+    explicit = os.environ.get("COMPILED_LLM_CACHE")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "compiled-llm"
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write `data` so that readers see either the old file or the whole new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def get_open_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def random_uuid() -> str:
+    import uuid
+
+    return uuid.uuid4().hex

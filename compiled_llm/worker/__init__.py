@@ -1,0 +1,1 @@
+"""The worker: model runner, persistent input buffers, sampler."""

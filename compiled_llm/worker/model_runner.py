@@ -1,0 +1,269 @@
+"""The model runner: loads the model, owns the KV cache, turns a scheduler step into one forward
+pass over a flat batch of tokens, and samples.
+
+Per step: apply the scheduler's changes to the persistent request rows, gather the flat batch
+(input ids, positions, slot mapping, block tables, sequence lengths, query start offsets) into
+persistent buffers with numpy, run the model inside a forward context, compute logits only for
+the requests that sample, and sample.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable
+
+import numpy as np
+import psutil
+import torch
+
+from compiled_llm.compilation.forward_context import set_forward_context
+from compiled_llm.config import EngineConfig
+from compiled_llm.engine.messages import LogprobsLists
+from compiled_llm.engine.scheduler import ModelRunnerOutput, SchedulerOutput
+from compiled_llm.kernels.metadata import AttentionMetadata
+from compiled_llm.logger import init_logger
+from compiled_llm.models.layers.attention import Attention
+from compiled_llm.models.loader import build_model
+from compiled_llm.utils import cdiv
+from compiled_llm.worker.buffers import CpuGpuBuffer
+from compiled_llm.worker.input_batch import InputBatch
+from compiled_llm.worker.sampler import Sampler, SamplingMetadata, SamplerOutput
+
+logger = init_logger(__name__)
+
+_CPU_DEFAULT_KV_BYTES = 2 << 30
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, load_format: str = "auto") -> None:
+        self.config = config
+        self.device = config.torch_device
+        mc, sc = config.model_config, config.scheduler_config
+        self.block_size = config.cache_config.block_size
+        self.max_num_reqs = sc.max_num_seqs
+        self.max_num_tokens = sc.max_num_batched_tokens
+        self.max_blocks_per_req = cdiv(mc.max_model_len, self.block_size)
+        self.eos_token_ids = mc.eos_token_ids
+        self.vocab_size = mc.vocab_size
+        if self.device.type == "cpu" and config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(mc.seed)
+
+        start = time.perf_counter()
+        self.model = build_model(mc, self.device, load_format)
+        self.load_seconds = time.perf_counter() - start
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.model_forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self.model.forward
+
+        self.batch = InputBatch(self.max_num_reqs, mc.max_model_len, self.max_blocks_per_req)
+        buf = lambda *shape, dtype=torch.int64, fill=0: CpuGpuBuffer(*shape, dtype=dtype, device=self.device, fill=fill)  # noqa: E731
+        self.input_ids = buf(self.max_num_tokens)
+        self.positions = buf(self.max_num_tokens)
+        self.slot_mapping = buf(self.max_num_tokens, fill=-1)
+        self.query_start_loc = buf(self.max_num_reqs + 1, dtype=torch.int32)
+        self.seq_lens = buf(self.max_num_reqs, dtype=torch.int32)
+        self.block_tables = buf(self.max_num_reqs, self.max_blocks_per_req, dtype=torch.int32)
+        self._arange = np.arange(max(self.max_num_tokens, self.max_num_reqs) + 1, dtype=np.int64)
+        self.sampler = Sampler()
+        self.kv_caches: list[torch.Tensor] = []
+
+    # ---- KV cache -------------------------------------------------------------------------
+    def kv_bytes_per_block(self) -> int:
+        mc = self.config.model_config
+        elem = torch.empty(0, dtype=mc.dtype).element_size()
+        return 2 * self.block_size * mc.num_kv_heads * mc.head_dim * elem * mc.num_layers
+
+    def determine_num_blocks(self) -> int:
+        cc, mc = self.config.cache_config, self.config.model_config
+        per_block = self.kv_bytes_per_block()
+        budget = cc.kv_cache_memory_bytes
+        if budget is None:
+            if self.device.type == "cuda":
+                free, total = torch.cuda.mem_get_info()
+                reserve = total * (1 - cc.gpu_memory_utilization) + 2 * (1 << 30)
+                budget = int(max(free - reserve, per_block * 2))
+            else:
+                # Enough for every sequence at full length if memory allows, within 2 GiB and a
+                # fifth of what is free.
+                wanted = per_block * (cdiv(mc.max_model_len, self.block_size) * self.max_num_reqs + 1)
+                budget = int(min(wanted, _CPU_DEFAULT_KV_BYTES, psutil.virtual_memory().available // 5))
+        num_blocks = int(budget // per_block)
+        if num_blocks - 1 < self.max_blocks_per_req:
+            needed = (self.max_blocks_per_req + 1) * per_block
+            raise ValueError(
+                f"The KV cache ({budget} bytes, {max(num_blocks - 1, 0) * self.block_size} tokens) cannot hold one "
+                f"sequence of max_model_len={mc.max_model_len} tokens; give kv_cache_memory_bytes >= {needed} "
+                f"or lower max_model_len."
+            )
+        return num_blocks
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        mc = self.config.model_config
+        shape = (mc.num_layers, 2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        kv = torch.zeros(shape, dtype=mc.dtype, device=self.device)
+        self.kv_caches = list(kv.unbind(0))
+        for layer, cache in zip(self.attention_layers, self.kv_caches):
+            layer.kv_cache = cache
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.2f GiB, %d tokens).",
+            num_blocks, self.block_size, kv.numel() * kv.element_size() / (1 << 30), (num_blocks - 1) * self.block_size,
+        )
+
+    # ---- one step ---------------------------------------------------------------------------
+    def update_states(self, out: SchedulerOutput) -> None:
+        batch = self.batch
+        for rid in out.finished_req_ids:
+            batch.remove(rid)
+        for cached in out.scheduled_cached_reqs:
+            row = batch.row_of[cached.req_id]
+            if cached.new_block_ids:
+                batch.append_blocks(row, cached.new_block_ids)
+            batch.num_computed_tokens[row] = cached.num_computed_tokens
+        for new in out.scheduled_new_reqs:
+            batch.remove(new.req_id)  # a preempted request coming back
+            batch.add(new.req_id, new.token_ids, new.num_prompt_tokens, new.sampling_params, new.block_ids, new.num_computed_tokens)
+
+    @torch.inference_mode()
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self.update_states(out)
+        if out.empty:
+            return ModelRunnerOutput([], [])
+        batch = self.batch
+        # Decodes (one query token) first: attention handles them in one batched call.
+        req_ids = sorted(out.num_scheduled_tokens, key=lambda r: out.num_scheduled_tokens[r] != 1)
+        rows = np.fromiter((batch.row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        num_sched = np.fromiter((out.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        num_reqs = len(req_ids)
+        num_decodes = int(np.count_nonzero(num_sched == 1)) if num_sched[0] == 1 else 0
+
+        cu = np.cumsum(num_sched)
+        total = int(cu[-1])
+        computed = batch.num_computed_tokens[rows]
+        token_req = np.repeat(np.arange(num_reqs), num_sched)
+        token_rows = rows[token_req]
+        positions = computed[token_req] + self._arange[:total] - np.repeat(cu - num_sched, num_sched)
+        self.positions.np[:total] = positions
+        self.input_ids.np[:total] = batch.token_ids[token_rows, positions]
+        block_ids = batch.block_table[token_rows, positions // self.block_size]
+        self.slot_mapping.np[:total] = block_ids * self.block_size + positions % self.block_size
+        self.query_start_loc.np[0] = 0
+        self.query_start_loc.np[1 : num_reqs + 1] = cu
+        seq_lens = computed + num_sched
+        self.seq_lens.np[:num_reqs] = seq_lens
+        self.block_tables.np[:num_reqs] = batch.block_table[rows]
+
+        metadata = AttentionMetadata(
+            num_actual_tokens=total,
+            num_reqs=num_reqs,
+            num_decodes=num_decodes,
+            max_query_len=int(num_sched.max()),
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc=self.query_start_loc.copy_to_device(num_reqs + 1),
+            seq_lens=self.seq_lens.copy_to_device(num_reqs),
+            block_tables=self.block_tables.copy_to_device(num_reqs),
+            slot_mapping=self.slot_mapping.copy_to_device(total),
+            query_start_loc_cpu=self.query_start_loc.np[: num_reqs + 1],
+            seq_lens_cpu=self.seq_lens.np[:num_reqs],
+        )
+        input_ids = self.input_ids.copy_to_device(total)
+        positions_t = self.positions.copy_to_device(total)
+        with set_forward_context(metadata):
+            hidden = self.model_forward(input_ids, positions_t)
+
+        # Only requests whose every known token is now computed sample a token.
+        samples = seq_lens == batch.num_tokens[rows]
+        sample_idx = np.flatnonzero(samples)
+        sampled_lists: list[list[int]] = [[] for _ in range(num_reqs)]
+        logprobs: dict[str, LogprobsLists] = {}
+        if len(sample_idx):
+            logits_indices = torch.from_numpy(cu[sample_idx] - 1).to(self.device)
+            logits = self.model.compute_logits(hidden[logits_indices])
+            sample_rows = rows[sample_idx]
+            result = self.sampler(logits, self.sampling_metadata(sample_rows))
+            tokens = result.sampled.tolist()
+            for i, token in zip(sample_idx.tolist(), tokens):
+                batch.append_token(int(rows[i]), token)
+                sampled_lists[i] = [token]
+            if result.logprobs is not None:
+                logprobs = self._logprobs_lists(result, [req_ids[i] for i in sample_idx], sample_rows)
+        return ModelRunnerOutput(req_ids, sampled_lists, logprobs)
+
+    # ---- sampling inputs ----------------------------------------------------------------------
+    def sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+        batch = self.batch
+        temps = batch.temperature[rows]
+        all_greedy = bool((temps < 1e-5).all())
+        meta = SamplingMetadata(temperature=None if all_greedy else torch.from_numpy(temps), all_greedy=all_greedy)
+        params = [batch.params[r] for r in rows]
+        if not all_greedy:
+            top_k = batch.top_k[rows]
+            if top_k.any():
+                meta.top_k = torch.from_numpy(top_k)
+            top_p = batch.top_p[rows]
+            if (top_p < 1.0).any():
+                meta.top_p = torch.from_numpy(top_p)
+            min_p = batch.min_p[rows]
+            if min_p.any():
+                meta.min_p = torch.from_numpy(min_p)
+            meta.generators = {i: batch.generators[r] for i, r in enumerate(rows.tolist()) if r in batch.generators}
+        wanted = [p.logprobs for p in params if p.logprobs is not None]  # type: ignore[union-attr]
+        meta.max_num_logprobs = max(wanted) if wanted else None
+        self._penalties(rows, meta)
+        for i, (row, p) in enumerate(zip(rows.tolist(), params)):
+            if p.min_tokens and batch.num_tokens[row] - batch.num_prompt_tokens[row] < p.min_tokens:  # type: ignore[union-attr]
+                banned = list(p.stop_token_ids or [])  # type: ignore[union-attr]
+                if not p.ignore_eos:  # type: ignore[union-attr]
+                    banned += self.eos_token_ids
+                if banned:
+                    meta.banned_token_ids.append((i, banned))
+        if self.device.type != "cpu":
+            for name in ("temperature", "top_k", "top_p", "min_p"):
+                value = getattr(meta, name)
+                if value is not None:
+                    setattr(meta, name, value.to(self.device, non_blocking=True))
+        return meta
+
+    def _penalties(self, rows: np.ndarray, meta: SamplingMetadata) -> None:
+        batch = self.batch
+        presence, frequency = batch.presence_penalty[rows], batch.frequency_penalty[rows]
+        repetition = batch.repetition_penalty[rows]
+        use_pf = bool(presence.any() or frequency.any())
+        use_rep = bool((repetition != 1.0).any())
+        if not (use_pf or use_rep):
+            return
+        num = len(rows)
+        counts = torch.zeros(num, self.vocab_size, dtype=torch.float32)
+        seen = torch.zeros(num, self.vocab_size, dtype=torch.bool) if use_rep else None
+        for i, row in enumerate(rows.tolist()):
+            prompt_len, n = int(batch.num_prompt_tokens[row]), int(batch.num_tokens[row])
+            out_ids = torch.from_numpy(batch.token_ids[row, prompt_len:n])
+            counts[i].index_add_(0, out_ids, torch.ones(len(out_ids)))
+            if seen is not None:
+                seen[i, torch.from_numpy(batch.token_ids[row, :n])] = True
+        dev = self.device
+        meta.output_token_counts = counts.to(dev)
+        if use_pf:
+            meta.presence_penalty = torch.from_numpy(presence).to(dev)
+            meta.frequency_penalty = torch.from_numpy(frequency).to(dev)
+        if use_rep:
+            meta.repetition_penalty = torch.from_numpy(repetition).to(dev)
+            meta.seen_token_mask = seen.to(dev)  # type: ignore[union-attr]
+
+    def _logprobs_lists(self, result: SamplerOutput, req_ids: list[str], rows: np.ndarray) -> dict[str, LogprobsLists]:
+        ids = result.logprob_token_ids.tolist()  # type: ignore[union-attr]
+        lps = result.logprobs.tolist()  # type: ignore[union-attr]
+        ranks = result.sampled_ranks.tolist()  # type: ignore[union-attr]
+        out = {}
+        for i, (rid, row) in enumerate(zip(req_ids, rows.tolist())):
+            k = self.batch.params[row].logprobs  # type: ignore[union-attr]
+            if k is None:
+                continue
+            out[rid] = LogprobsLists([ids[i][: k + 1]], [lps[i][: k + 1]], [ranks[i]])
+        return out
+
+    # ---- start-up ----------------------------------------------------------------------------
+    def compile_or_warm_up(self) -> None:
+        level = self.config.compilation_config.level
+        if level and level > 0:
+            raise NotImplementedError("optimization_level > 0 needs the compilation backend.")

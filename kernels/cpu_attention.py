@@ -1,0 +1,101 @@
+"""Paged attention in plain torch: the CPU backend and the reference for the Triton kernels.
+
+KV-cache layout: `[2, num_blocks, block_size, num_kv_heads, head_dim]` (keys, then values).
+A token's slot is `block_id * block_size + offset`; block 0 is the null block.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from compiled_llm.kernels.metadata import AttentionMetadata
+
+
+def write_kv_cache(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store each token's key and value at its slot; a slot of -1 (padding) writes nothing."""
+    num_kv_heads, head_dim = key.shape[-2:]
+    key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
+    value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]
+    key_cache.index_copy_(0, slot_mapping, key)
+    value_cache.index_copy_(0, slot_mapping, value)
+
+
+def _gather_context(
+    cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int
+) -> torch.Tensor:
+    """The first `num_tokens` cached vectors of one request: [num_tokens, num_kv_heads, head_dim]."""
+    block_size = cache.shape[1]
+    num_blocks = -(-num_tokens // block_size)
+    blocks = cache[block_table[:num_blocks]]
+    return blocks.view(num_blocks * block_size, *cache.shape[2:])[:num_tokens]
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    output: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of every query token over its request's cached context and itself.
+
+    `query` is [num_tokens, num_heads, head_dim]; `key` and `value` are the new tokens'
+    [num_tokens, num_kv_heads, head_dim], already written to the cache by `write_kv_cache`.
+    Returns [num_tokens, num_heads, head_dim].
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    gqa = num_heads != num_kv_heads
+    if output is None:
+        output = torch.empty_like(query)
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    block_size = key_cache.shape[1]
+    seq_lens = metadata.seq_lens_cpu
+    starts = metadata.query_start_loc_cpu
+
+    num_decodes = metadata.num_decodes
+    if num_decodes:
+        # All single-token queries in one batched call over their gathered, padded contexts.
+        max_len = int(seq_lens[:num_decodes].max())
+        num_blocks = -(-max_len // block_size)
+        tables = metadata.block_tables[:num_decodes, :num_blocks]
+        padded = num_blocks * block_size
+        k = key_cache[tables].view(num_decodes, padded, num_kv_heads, head_dim).transpose(1, 2)
+        v = value_cache[tables].view(num_decodes, padded, num_kv_heads, head_dim).transpose(1, 2)
+        lens = metadata.seq_lens[:num_decodes].to(torch.int64)
+        mask = torch.arange(padded, device=query.device)[None, :] < lens[:, None]
+        q = query[:num_decodes].view(num_decodes, num_heads, 1, head_dim)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=gqa
+        )
+        output[:num_decodes] = out.view(num_decodes, num_heads, head_dim)
+
+    for i in range(num_decodes, metadata.num_reqs):
+        start, end = int(starts[i]), int(starts[i + 1])
+        query_len, seq_len = end - start, int(seq_lens[i])
+        context_len = seq_len - query_len
+        if context_len == 0:
+            k, v = key[start:end], value[start:end]
+        else:
+            k = _gather_context(key_cache, metadata.block_tables[i], seq_len)
+            v = _gather_context(value_cache, metadata.block_tables[i], seq_len)
+        q = query[start:end].transpose(0, 1).unsqueeze(0)
+        k = k.transpose(0, 1).unsqueeze(0)
+        v = v.transpose(0, 1).unsqueeze(0)
+        if context_len == 0:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            # Bottom-right aligned causal mask: query j sees keys up to context_len + j.
+            rows = torch.arange(query_len, device=query.device)[:, None] + context_len
+            mask = torch.arange(seq_len, device=query.device)[None, :] <= rows
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        output[start:end] = out[0].transpose(0, 1)
+    return output
