@@ -1,0 +1,102 @@
+"""Shared fixtures: the real bundled model, tiny random-weight Llama/Qwen2/Qwen3 folders, HF oracles."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(int(os.environ.get("COMPILED_LLM_NUM_THREADS", 0)) or (os.cpu_count() or 1))
+
+TINY_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-6,
+    initializer_range=0.2,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def _tiny_config(arch: str, vocab_size: int):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    if arch == "llama":
+        return LlamaConfig(vocab_size=vocab_size, rope_theta=10000.0, **TINY_COMMON)
+    if arch == "llama3-scaled":
+        return LlamaConfig(
+            vocab_size=vocab_size,
+            rope_theta=500000.0,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
+            **{**TINY_COMMON, "tie_word_embeddings": True},
+        )
+    if arch == "qwen2":
+        return Qwen2Config(vocab_size=vocab_size, rope_theta=1000000.0, **TINY_COMMON)
+    if arch == "qwen3":
+        return Qwen3Config(vocab_size=vocab_size, rope_theta=1000000.0, head_dim=32, **TINY_COMMON)
+    raise ValueError(arch)
+
+
+@pytest.fixture(scope="session")
+def real_model_path() -> str:
+    """The bundled SmolLM2-135M-Instruct, converted to a Hugging Face folder."""
+    from compiled_llm.models.bundled import bundled_model_path
+
+    return str(bundled_model_path())
+
+
+def make_tiny_model(arch: str, out: Path, tokenizer_source: str) -> str:
+    """Write a random-weight HF model folder (config, safetensors, tokenizer) for `arch`."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    src = Path(tokenizer_source)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        if (src / name).exists():
+            shutil.copy(src / name, out / name)
+    from transformers import AutoTokenizer
+
+    vocab = len(AutoTokenizer.from_pretrained(src))
+    config = _tiny_config(arch, vocab)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory, real_model_path):
+    cache: dict[str, str] = {}
+
+    def make(arch: str = "llama") -> str:
+        if arch not in cache:
+            cache[arch] = make_tiny_model(arch, tmp_path_factory.mktemp(f"tiny-{arch}"), real_model_path)
+        return cache[arch]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_model_factory) -> str:
+    return tiny_model_factory("llama")
+
+
+def has_cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if has_cuda():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
