@@ -1,0 +1,212 @@
+"""Triton kernels for GPUs: the paged KV-cache write and one attention kernel for mixed batches.
+
+Same semantics as kernels/cpu_attention.py, the reference. Both kernels size their launch grids
+from tensor shapes and never read a value back to the host, so a CUDA graph can capture them and
+replay them with new contents in the same buffers.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from compiled_llm.kernels.metadata import AttentionMetadata
+
+_LOG2_E = 1.4426950408889634
+# Key tile of the attention loop, independent of the cache's block size (block 8 still gives
+# tl.dot tiles of at least 16).
+_TILE_N = 64
+# Query rows (query tokens x heads of one KV head's group) per program. Decode-heavy batches use
+# the smallest tile tl.dot accepts; prefill-heavy ones a larger tile that reads each key once for
+# more queries.
+_DECODE_ROWS = 16
+_PREFILL_ROWS = 64
+# A batch averaging fewer query tokens per request than this is treated as decode-heavy.
+_PREFILL_MIN_AVG_QUERY = 4
+
+
+@triton.jit
+def _write_kv_cache_kernel(
+    key_ptr, value_ptr, cache_ptr, slot_mapping_ptr,
+    num_kv_heads, head_dim,
+    stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd,
+    stride_c_kv, stride_c_block, stride_c_slot, stride_c_head, stride_c_dim,
+    BLOCK_SIZE: tl.constexpr, HEADS: tl.constexpr, DIM: tl.constexpr,
+):
+    """One program per token: copy its [num_kv_heads, head_dim] key and value into its slot."""
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token)
+    if slot < 0:
+        return
+    heads = tl.arange(0, HEADS)[:, None]
+    dims = tl.arange(0, DIM)[None, :]
+    mask = (heads < num_kv_heads) & (dims < head_dim)
+    key = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims * stride_kd, mask=mask)
+    value = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims * stride_vd, mask=mask)
+    dst = (cache_ptr + (slot // BLOCK_SIZE) * stride_c_block + (slot % BLOCK_SIZE) * stride_c_slot
+           + heads * stride_c_head + dims * stride_c_dim)
+    tl.store(dst, key, mask=mask)
+    tl.store(dst + stride_c_kv, value, mask=mask)
+
+
+def write_kv_cache(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store each token's key and value at its slot; a slot of -1 (padding) writes nothing.
+
+    `key`/`value`: [num_tokens, num_kv_heads, head_dim]; `kv_cache`: [2, num_blocks, block_size,
+    num_kv_heads, head_dim]; `slot_mapping`: int64 [num_tokens], block_id * block_size + offset.
+    """
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    _write_kv_cache_kernel[(num_tokens,)](
+        key, value, kv_cache, slot_mapping,
+        num_kv_heads, head_dim,
+        *key.stride(), *value.stride(), *kv_cache.stride(),
+        BLOCK_SIZE=kv_cache.shape[2],
+        HEADS=triton.next_power_of_2(num_kv_heads),
+        DIM=triton.next_power_of_2(head_dim),
+    )
+
+
+@triton.jit
+def _find_request(query_start_loc_ptr, num_reqs, q_block, BLOCK_Q: tl.constexpr):
+    """The request owning the program's query block; `num_reqs` means the padded tail.
+
+    Request i owns the blocks from `query_start_loc[i] // BLOCK_Q + i` on: an upper bound on the
+    blocks of the requests before it, found with a binary search instead of a host-side table.
+    """
+    lo: tl.int32 = 0
+    hi = num_reqs + 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_block = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_block <= q_block:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _unified_attention_kernel(
+    query_ptr, cache_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    scale_log2, num_tokens, num_reqs, head_dim,
+    stride_qt, stride_qh, stride_qd,
+    stride_ot, stride_oh, stride_od,
+    stride_c_kv, stride_c_block, stride_c_slot, stride_c_head, stride_c_dim,
+    stride_bt,
+    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
+    DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):
+    """One program per (query block of a request, KV head), online softmax over the context.
+
+    Its BLOCK_M rows are BLOCK_Q query tokens times the GROUP query heads sharing the KV head.
+    Programs past the last request zero the padded tail tokens, so every output row is finite.
+    """
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    req = _find_request(query_start_loc_ptr, num_reqs, q_block, BLOCK_Q)
+    is_real = req < num_reqs
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_end = tl.load(query_start_loc_ptr + req + 1, mask=is_real, other=num_tokens)
+    seq_len = tl.load(seq_lens_ptr + req, mask=is_real, other=0)
+    query_len = q_end - q_start
+    context_len = seq_len - query_len
+    first_q = (q_block - (q_start // BLOCK_Q + req)) * BLOCK_Q
+
+    rows = tl.arange(0, BLOCK_M)
+    q_offset = first_q + rows // GROUP
+    heads = kv_head * GROUP + rows % GROUP
+    row_mask = (rows < BLOCK_Q * GROUP) & (q_offset < query_len)
+    dims = tl.arange(0, DIM)
+    dim_mask = dims < head_dim
+    tokens = (q_start + q_offset).to(tl.int64)
+    io_mask = row_mask[:, None] & dim_mask[None, :]
+    q = tl.load(
+        query_ptr + tokens[:, None] * stride_qt + heads[:, None] * stride_qh
+        + dims[None, :] * stride_qd,
+        mask=io_mask, other=0.0,
+    )
+    q_pos = context_len + q_offset
+    # Keys at positions below kv_len are all any row of this block may see (causal).
+    kv_len = tl.minimum(seq_len, context_len + first_q + BLOCK_Q)
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DIM], tl.float32)
+    key_cache_ptr = cache_ptr + kv_head * stride_c_head
+    block_table_ptr = block_tables_ptr + req.to(tl.int64) * stride_bt
+    for tile_start in range(0, kv_len, TILE_N):
+        pos = tile_start + tl.arange(0, TILE_N)
+        pos_mask = pos < kv_len
+        block = tl.load(block_table_ptr + pos // BLOCK_SIZE, mask=pos_mask, other=0)
+        slot_offset = block.to(tl.int64) * stride_c_block + (pos % BLOCK_SIZE) * stride_c_slot
+        k = tl.load(
+            key_cache_ptr + slot_offset[None, :] + dims[:, None] * stride_c_dim,
+            mask=pos_mask[None, :] & dim_mask[:, None], other=0.0,
+        )
+        v = tl.load(
+            key_cache_ptr + stride_c_kv + slot_offset[:, None] + dims[None, :] * stride_c_dim,
+            mask=pos_mask[:, None] & dim_mask[None, :], other=0.0,
+        )
+        s = tl.dot(q, k) * scale_log2
+        s = tl.where((pos[None, :] <= q_pos[:, None]) & pos_mask[None, :], s, float("-inf"))
+        # Every row that is stored sees key 0 in the first tile: its m_new is finite from then on.
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+
+    out = acc / tl.where(l > 0.0, l, 1.0)[:, None]
+    tl.store(
+        out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh
+        + dims[None, :] * stride_od,
+        out.to(out_ptr.dtype.element_ty), mask=io_mask,
+    )
+
+
+def unified_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    output: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal paged attention of a whole mixed batch (decodes, prefills, cached prefixes) in one launch.
+
+    `query`: [num_tokens, num_heads, head_dim], possibly padded past the batch's real tokens (those
+    rows come back as zeros); keys and values are read only from `kv_cache`, where
+    `write_kv_cache` put them. Returns [num_tokens, num_heads, head_dim] in query's dtype.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = kv_cache.shape[3]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if output is None:
+        output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if num_tokens == 0:
+        return output
+    group = num_heads // num_kv_heads
+    num_reqs = metadata.num_reqs
+    # Chosen from shapes only, which a CUDA graph fixes, never from per-step values.
+    prefill_heavy = num_tokens >= _PREFILL_MIN_AVG_QUERY * num_reqs
+    block_m = max(_PREFILL_ROWS if prefill_heavy else _DECODE_ROWS, triton.next_power_of_2(group))
+    block_q = block_m // group
+    # Enough query blocks for every request's tokens plus the padded tail (see _find_request).
+    grid = (num_tokens // block_q + num_reqs + 1, num_kv_heads)
+    _unified_attention_kernel[grid](
+        query, kv_cache, output, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
+        scale * _LOG2_E, num_tokens, num_reqs, head_dim,
+        *query.stride(), *output.stride(),
+        *kv_cache.stride(),
+        metadata.block_tables.stride(0),
+        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=_TILE_N,
+        DIM=triton.next_power_of_2(head_dim), BLOCK_SIZE=kv_cache.shape[2],
+    )
+    return output

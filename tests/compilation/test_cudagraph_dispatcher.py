@@ -1,0 +1,142 @@
+"""The dispatcher decides which graph (if any) serves a step; these pin its rules for every mode."""
+
+from __future__ import annotations
+
+import pytest
+
+from compiled_llm.compilation import BatchDescriptor, CudagraphDispatcher, CUDAGraphMode
+
+M = CUDAGraphMode
+SIZES = [1, 2, 4, 8, 16]
+
+
+def make(mode: CUDAGraphMode, max_num_seqs: int = 16, q: int = 1, sizes=SIZES) -> CudagraphDispatcher:
+    return CudagraphDispatcher(sizes, mode, max_num_seqs, uniform_decode_query_len=q)
+
+
+def test_batch_descriptor_is_frozen_hashable_and_compared_by_value():
+    d = BatchDescriptor(8, 8, True)
+    assert d == BatchDescriptor(num_tokens=8, num_reqs=8, uniform=True)
+    assert hash(d) == hash(BatchDescriptor(8, 8, True))
+    assert BatchDescriptor(8) == BatchDescriptor(8, None, False)
+    assert BatchDescriptor(8) != d
+    assert len({d, BatchDescriptor(8, 8, True), BatchDescriptor(8)}) == 2
+    with pytest.raises(AttributeError):
+        d.num_tokens = 4  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        d[0] = 4  # type: ignore[index]
+
+
+@pytest.mark.parametrize("uniform", [False, True])
+def test_none_mode_is_always_eager_and_unpadded(uniform):
+    d = make(M.NONE)
+    assert d.keys == {M.FULL: set(), M.PIECEWISE: set()}
+    assert d.capture_descriptors() == []
+    for n in (1, 3, 16, 17):
+        assert d.dispatch(n, uniform) == (M.NONE, BatchDescriptor(n))
+
+
+@pytest.mark.parametrize("uniform", [False, True])
+def test_piecewise_pads_to_the_smallest_capture_size_for_every_batch_kind(uniform):
+    d = make(M.PIECEWISE)
+    assert d.keys[M.PIECEWISE] == {BatchDescriptor(s) for s in SIZES}
+    assert d.keys[M.FULL] == set()
+    for n, padded in [(1, 1), (2, 2), (3, 4), (4, 4), (5, 8), (9, 16), (16, 16)]:
+        assert d.dispatch(n, uniform) == (M.PIECEWISE, BatchDescriptor(padded))
+    assert d.dispatch(17, uniform) == (M.NONE, BatchDescriptor(17))
+    assert d.dispatch(1000, uniform) == (M.NONE, BatchDescriptor(1000))
+
+
+def test_full_and_piecewise_splits_uniform_decode_from_mixed():
+    d = make(M.FULL_AND_PIECEWISE)
+    assert d.keys[M.FULL] == {BatchDescriptor(s, s, True) for s in SIZES}
+    assert d.keys[M.PIECEWISE] == {BatchDescriptor(s) for s in SIZES}
+    assert d.dispatch(3, uniform_decode=True) == (M.FULL, BatchDescriptor(4, 4, True))
+    assert d.dispatch(8, uniform_decode=True) == (M.FULL, BatchDescriptor(8, 8, True))
+    assert d.dispatch(3, uniform_decode=False) == (M.PIECEWISE, BatchDescriptor(4))
+    assert d.dispatch(16, uniform_decode=False) == (M.PIECEWISE, BatchDescriptor(16))
+    assert d.dispatch(17, uniform_decode=True) == (M.NONE, BatchDescriptor(17))
+    assert d.dispatch(17, uniform_decode=False) == (M.NONE, BatchDescriptor(17))
+
+
+def test_full_decode_only_runs_mixed_batches_eagerly():
+    d = make(M.FULL_DECODE_ONLY)
+    assert d.keys[M.PIECEWISE] == set()
+    assert d.dispatch(5, uniform_decode=True) == (M.FULL, BatchDescriptor(8, 8, True))
+    assert d.dispatch(5, uniform_decode=False) == (M.NONE, BatchDescriptor(5))
+    assert d.dispatch(17, uniform_decode=True) == (M.NONE, BatchDescriptor(17))
+
+
+def test_plain_full_captures_full_graphs_for_mixed_batches_too():
+    # FULL's mixed half is FULL: that is what sets it apart from FULL_DECODE_ONLY.
+    d = make(M.FULL)
+    assert d.keys[M.FULL] == {BatchDescriptor(s, s, True) for s in SIZES} | {BatchDescriptor(s) for s in SIZES}
+    assert d.keys[M.PIECEWISE] == set()
+    assert d.dispatch(3, uniform_decode=True) == (M.FULL, BatchDescriptor(4, 4, True))
+    assert d.dispatch(3, uniform_decode=False) == (M.FULL, BatchDescriptor(4))
+    assert d.dispatch(17, uniform_decode=False) == (M.NONE, BatchDescriptor(17))
+
+
+def test_max_num_seqs_limits_uniform_decode_graphs():
+    d = make(M.FULL_AND_PIECEWISE, max_num_seqs=6)
+    assert d.keys[M.FULL] == {BatchDescriptor(s, s, True) for s in (1, 2, 4)}
+    # Six one-token requests pad to 8 tokens, which would need 8 request slots: piecewise instead.
+    assert d.dispatch(6, uniform_decode=True) == (M.PIECEWISE, BatchDescriptor(8))
+    assert d.dispatch(4, uniform_decode=True) == (M.FULL, BatchDescriptor(4, 4, True))
+    decode_only = make(M.FULL_DECODE_ONLY, max_num_seqs=6)
+    assert decode_only.dispatch(6, uniform_decode=True) == (M.NONE, BatchDescriptor(6))
+    full = make(M.FULL, max_num_seqs=6)
+    assert full.dispatch(6, uniform_decode=True) == (M.FULL, BatchDescriptor(8))
+
+
+def test_multi_token_uniform_decode_counts_requests_by_query_len():
+    d = make(M.FULL_AND_PIECEWISE, max_num_seqs=4, q=4, sizes=[1, 2, 4, 8, 12, 16, 24])
+    assert d.keys[M.FULL] == {BatchDescriptor(4, 1, True), BatchDescriptor(8, 2, True),
+                              BatchDescriptor(12, 3, True), BatchDescriptor(16, 4, True)}
+    assert d.dispatch(4, uniform_decode=True) == (M.FULL, BatchDescriptor(4, 1, True))
+    assert d.dispatch(12, uniform_decode=True) == (M.FULL, BatchDescriptor(12, 3, True))
+    # Five 4-token requests exceed max_num_seqs: the mixed graph of 24 tokens serves them.
+    assert d.dispatch(20, uniform_decode=True) == (M.PIECEWISE, BatchDescriptor(24))
+    # Sizes that are not a whole number of requests have no uniform key.
+    odd = make(M.FULL_AND_PIECEWISE, q=3, sizes=[1, 2, 4, 8, 12])
+    assert odd.keys[M.FULL] == {BatchDescriptor(12, 4, True)}
+    assert odd.dispatch(6, uniform_decode=True) == (M.PIECEWISE, BatchDescriptor(8))
+    assert odd.dispatch(9, uniform_decode=True) == (M.FULL, BatchDescriptor(12, 4, True))
+    with pytest.raises(ValueError, match="whole number"):
+        odd.dispatch(7, uniform_decode=True)
+
+
+def test_capture_sizes_are_sorted_and_deduplicated():
+    d = CudagraphDispatcher([8, 1, 4, 8, 2], M.PIECEWISE, max_num_seqs=8)
+    assert d.capture_sizes == [1, 2, 4, 8]
+    assert d.dispatch(3, False) == (M.PIECEWISE, BatchDescriptor(4))
+    empty = CudagraphDispatcher([], M.FULL_AND_PIECEWISE, max_num_seqs=8)
+    assert empty.dispatch(1, True) == (M.NONE, BatchDescriptor(1))
+
+
+def test_capture_descriptors_cover_every_key_largest_first():
+    d = make(M.FULL_AND_PIECEWISE, max_num_seqs=4)
+    descs = d.capture_descriptors()
+    assert {(mode, key) for mode, key in descs} == {
+        (mode, key) for mode in (M.FULL, M.PIECEWISE) for key in d.keys[mode]
+    }
+    assert len(descs) == len(SIZES) + 3
+    sizes = [key.num_tokens for _, key in descs]
+    assert sizes == sorted(sizes, reverse=True)
+    assert descs[0] == (M.PIECEWISE, BatchDescriptor(16))
+    # Every dispatched graph key is one that was captured.
+    for n in range(1, 17):
+        for uniform in (False, True):
+            mode, key = d.dispatch(n, uniform)
+            assert (mode, key) in descs
+
+
+def test_invalid_arguments_are_rejected():
+    with pytest.raises(ValueError):
+        CudagraphDispatcher(SIZES, M.FULL, max_num_seqs=0)
+    with pytest.raises(ValueError):
+        CudagraphDispatcher(SIZES, M.FULL, max_num_seqs=4, uniform_decode_query_len=0)
+    with pytest.raises(ValueError):
+        CudagraphDispatcher([0, 4], M.FULL, max_num_seqs=4)
+    with pytest.raises(ValueError):
+        make(M.PIECEWISE).dispatch(0, False)
