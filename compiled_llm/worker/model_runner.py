@@ -264,6 +264,76 @@ class ModelRunner:
 
     # ---- start-up ----------------------------------------------------------------------------
     def compile_or_warm_up(self) -> None:
-        level = self.config.compilation_config.level
-        if level and level > 0:
-            raise NotImplementedError("optimization_level > 0 needs the compilation backend.")
+        """At -O1 and above: trace the model once and compile (or load) every piece now."""
+        cc = self.config.compilation_config
+        if not cc.level:
+            return
+        if self.max_num_tokens < 2:
+            raise ValueError("compilation needs max_num_batched_tokens >= 2")
+        from compiled_llm.compilation.compiled_forward import CompiledForward
+
+        cache = make_compile_cache(self.config, self.model)
+        self.compiled_forward = CompiledForward(self.model.forward, cc, cache, self.max_num_tokens)
+        num_tokens = min(self.max_num_tokens, 16)
+        with torch.inference_mode(), set_forward_context(self.dummy_metadata(num_tokens)):
+            self.compiled_forward.trace(self.input_ids.gpu[:num_tokens], self.positions.gpu[:num_tokens])
+        self.model_forward = self.compiled_forward
+        r = self.compiled_forward.report
+        verb = "loaded" if r.artifacts_loaded and not r.inductor_compilations else "compiled"
+        logger.info(
+            "Compilation (-O%d): traced and %s in %.2f s; %d pieces (%d unique); %d artifacts loaded, "
+            "%d Inductor compilations; cache %s",
+            cc.level, verb, self.compiled_forward.seconds, r.pieces, r.unique_pieces, r.artifacts_loaded,
+            r.inductor_compilations, r.cache_dir,
+        )
+
+    def dummy_metadata(self, num_tokens: int) -> AttentionMetadata:
+        """One request of `num_tokens` fresh tokens that writes nothing to the KV cache."""
+        self.input_ids.np[:num_tokens] = 0
+        self.positions.np[:num_tokens] = np.arange(num_tokens)
+        self.slot_mapping.np[:num_tokens] = -1
+        self.query_start_loc.np[:2] = (0, num_tokens)
+        self.seq_lens.np[0] = num_tokens
+        self.block_tables.np[0] = 0
+        self.input_ids.copy_to_device(num_tokens)
+        self.positions.copy_to_device(num_tokens)
+        return AttentionMetadata(
+            num_actual_tokens=num_tokens,
+            num_reqs=1,
+            num_decodes=0,
+            max_query_len=num_tokens,
+            max_seq_len=num_tokens,
+            query_start_loc=self.query_start_loc.copy_to_device(2),
+            seq_lens=self.seq_lens.copy_to_device(1),
+            block_tables=self.block_tables.copy_to_device(1),
+            slot_mapping=self.slot_mapping.copy_to_device(num_tokens),
+            query_start_loc_cpu=self.query_start_loc.np[:2],
+            seq_lens_cpu=self.seq_lens.np[:1],
+        )
+
+
+def compile_cache_factors(config: EngineConfig, model: torch.nn.Module | None = None) -> dict:
+    """The factors of the compile cache key; builds the model on the meta device if none is given."""
+    from compiled_llm.compilation.cache_key import compute_factors, model_sources, package_sources
+    from compiled_llm.models.registry import model_class
+
+    mc = config.model_config
+    if model is None:
+        with torch.device("meta"):
+            model = model_class(mc.architecture)(mc.hf_config)
+    return compute_factors(
+        hf_config=mc.hf_config,
+        dtype=mc.dtype,
+        device=config.torch_device,
+        compilation_config=config.compilation_config,
+        max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
+        source_files=package_sources() + model_sources(model),
+    )
+
+
+def make_compile_cache(config: EngineConfig, model: torch.nn.Module | None = None):
+    from compiled_llm.compilation.cache_key import cache_key
+    from compiled_llm.compilation.compile_cache import CompileCache
+
+    factors = compile_cache_factors(config, model)
+    return CompileCache(config.compilation_config.cache_dir, cache_key(factors), factors)

@@ -1,0 +1,149 @@
+"""The compilation backend on a toy model, in the style of vLLM's tests/compile.
+
+Starts that must be "fresh" run in a subprocess so that nothing in memory is reused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from compiled_llm.compilation.cache_key import cache_key, sources_hash
+from compiled_llm.compilation.compile_cache import CompileCacheMissError
+from compiled_llm.compilation.counters import counters
+from tests.compilation.toy_compile import MAX_TOKENS, compile_toy, max_error, toy_config, toy_factors
+from tests.compilation.toy_model import CALLS, ToyModel, inputs
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_fresh(cache_dir, ranges=None, sizes=(), strict=False, wait=True):
+    cmd = [sys.executable, "-m", "tests.compilation.toy_compile", str(cache_dir), json.dumps(ranges), json.dumps(list(sizes)), "1" if strict else "0"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "COMPILED_LLM_LOG_LEVEL": "INFO"})
+    if not wait:
+        return proc
+    return finish(proc)
+
+
+def finish(proc):
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1]), err
+
+
+@pytest.fixture(autouse=True)
+def fresh_counters():
+    counters.reset()
+    yield
+
+
+def test_split_runs_attention_eagerly_between_compiled_pieces(tmp_path):
+    model, compiled, snap = compile_toy(str(tmp_path))
+    layers = len(model.layers)
+    assert snap["num_graphs_traced"] == 1
+    assert snap["num_pieces"] == layers + 1  # pieces between and around the attention calls
+    assert snap["num_unique_pieces"] == 3  # first, middle (shared by identical layers), last
+    assert snap["num_inductor_compilations"] == 3
+    CALLS["attention"] = 0
+    with torch.inference_mode():
+        x, pos = inputs(7)
+        compiled(x, pos)
+    assert CALLS["attention"] == layers  # the op ran in Python, once per layer
+    assert max_error(model, compiled) < 1e-5  # first and last pieces included, several sizes
+
+
+def test_compile_count_and_dispatch_for_ranges_and_sizes(tmp_path):
+    model, compiled, snap = compile_toy(str(tmp_path), ranges=[(1, 8), (9, MAX_TOKENS)], sizes=[4, 16])
+    assert snap["num_inductor_compilations"] == 3 * 4  # unique pieces x (2 ranges + 2 sizes)
+    backend = compiled.backend
+    with torch.inference_mode():
+        for n, expected in [(4, "s4"), (5, "r1-8"), (1, "r1-8"), (16, "s16"), (9, "r9-32"), (20, "r9-32"), (32, "r9-32")]:
+            x, pos = inputs(n)
+            out = compiled(x, pos)
+            assert (out - model(x, pos)).abs().max().item() < 1e-5
+            assert {p.last_spec for p in backend.piece_backends} == {expected}, n
+    assert backend.graphs_seen == 1
+    with pytest.raises(RuntimeError, match="no compiled code for 33 tokens"):
+        backend.piece_backends[0].select(33)
+
+
+def test_nothing_recompiles_while_serving(tmp_path):
+    model, compiled, _ = compile_toy(str(tmp_path))
+    with torch.inference_mode(), torch.compiler.set_stance("fail_on_recompile"):
+        for n in (1, 2, 3, 9, 31, 32):
+            compiled(*inputs(n))
+    assert counters.num_graphs_traced == 1 and counters.num_recompiles == 0
+
+
+def test_changed_factors_give_another_cache_folder(tmp_path):
+    model = ToyModel()
+    config = toy_config(str(tmp_path))
+    base = cache_key(toy_factors(config, model))
+    assert base == cache_key(toy_factors(config, model))  # stable
+    assert base != cache_key(toy_factors(config, ToyModel(num_layers=4)))  # model config
+    assert base != cache_key(toy_factors(config, model, dtype=torch.bfloat16))  # dtype
+    assert base != cache_key(toy_factors(config, model, max_tokens=MAX_TOKENS * 2))  # max_num_batched_tokens
+    assert base != cache_key(toy_factors(toy_config(str(tmp_path), sizes=[4]), model))  # compile sizes
+    traced = Path(__file__).with_name("toy_model.py")
+    edited = tmp_path / "toy_model.py"
+    edited.write_text(traced.read_text() + "\n# an edit to a traced source file\n")
+    sources = toy_factors(config, model)["sources"]
+    assert sources != toy_factors(config, model, extra_sources=[edited])["sources"]
+    copy = tmp_path / "copy" / "toy_model.py"
+    copy.parent.mkdir()
+    shutil.copy(traced, copy)
+    # The same content hashes the same: the key follows content, not paths.
+    assert sources_hash([copy]) == sources_hash([traced])
+
+
+def test_strict_mode_fails_on_an_empty_cache(tmp_path):
+    with pytest.raises(CompileCacheMissError) as info:
+        compile_toy(str(tmp_path), strict=True)
+    message = str(info.value)
+    assert str(tmp_path) in message and "-r1-32" in message and "precompile" in message
+
+
+def test_second_start_loads_with_zero_inductor_runs(tmp_path):
+    cold, _ = run_fresh(tmp_path, sizes=[4])
+    assert cold["num_inductor_compilations"] == 6 and cold["num_artifacts_saved"] == 6
+    warm, _ = run_fresh(tmp_path, sizes=[4], strict=True)
+    assert warm["num_inductor_compilations"] == 0
+    assert warm["num_artifacts_loaded"] == 6
+    assert warm["max_error"] < 1e-5  # loaded artifacts (incl. single-output last piece) equal eager
+    assert warm["cache_entry"] == cold["cache_entry"]
+    entry = Path(cold["cache_entry"])
+    assert json.loads((entry / "factors.json").read_text())["compile_sizes"] == [4]
+    assert (entry / "inductor").is_dir()  # Inductor's own cache lives inside the entry
+
+
+def test_truncated_artifact_is_reported_and_recompiled(tmp_path):
+    cold, _ = run_fresh(tmp_path)
+    entry = Path(cold["cache_entry"])
+    victim = sorted((entry / "artifacts").glob("*.bin"))[0]
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    again, log = run_fresh(tmp_path)
+    assert again["num_inductor_compilations"] == 3
+    assert again["max_error"] < 1e-5
+    assert "checksum" in log and "moved it to" in log
+    assert list(tmp_path.glob(f"{entry.name}.broken-*")), "the broken entry is set aside, not deleted"
+    warm, _ = run_fresh(tmp_path, strict=True)  # the rebuilt entry is whole again
+    assert warm["num_inductor_compilations"] == 0
+
+
+def test_two_processes_filling_one_cache_leave_it_valid(tmp_path):
+    first = run_fresh(tmp_path, wait=False)
+    second = run_fresh(tmp_path, wait=False)
+    a, _ = finish(first)
+    b, _ = finish(second)
+    assert a["max_error"] < 1e-5 and b["max_error"] < 1e-5
+    assert a["num_inductor_compilations"] + b["num_inductor_compilations"] == 3  # one waited and loaded
+    warm, _ = run_fresh(tmp_path, strict=True)
+    assert warm["num_inductor_compilations"] == 0 and warm["num_artifacts_loaded"] == 3
