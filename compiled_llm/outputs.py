@@ -49,3 +49,28 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = field(default=None, repr=False)
+
+    def add(self, next_output: "RequestOutput", aggregate: bool) -> None:
+        """Fold a later output of the same request into this one (a slow reader gets one output).
+
+        `aggregate`: the outputs are deltas (append their text, tokens and logprobs); otherwise
+        each completion of `next_output` replaces the one with the same index.
+        """
+        for completion in next_output.outputs:
+            mine = next((c for c in self.outputs if c.index == completion.index), None)
+            if mine is None:
+                self.outputs.append(completion)
+            elif aggregate:
+                mine.text += completion.text
+                mine.token_ids = mine.token_ids + completion.token_ids
+                if completion.logprobs is not None:
+                    mine.logprobs = (mine.logprobs or []) + completion.logprobs
+                mine.cumulative_logprob = completion.cumulative_logprob
+                mine.finish_reason = completion.finish_reason
+                mine.stop_reason = completion.stop_reason
+            else:
+                self.outputs[self.outputs.index(mine)] = completion
+        self.finished = next_output.finished
+        self.num_cached_tokens = next_output.num_cached_tokens
+        self.metrics = next_output.metrics
+

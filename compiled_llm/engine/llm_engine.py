@@ -10,7 +10,7 @@ from typing import Any
 
 from compiled_llm.config import EngineConfig
 from compiled_llm.engine.arg_utils import EngineArgs
-from compiled_llm.engine.engine_core import EngineCore
+from compiled_llm.engine.core_client import InprocClient
 from compiled_llm.engine.messages import EngineCoreRequest
 from compiled_llm.engine.output_processor import OutputProcessor, ParentRequest
 from compiled_llm.engine.processor import Processor, PromptType
@@ -25,7 +25,8 @@ class LLMEngine:
         self.tokenizer = get_tokenizer(config.model_config.model)
         self.processor = Processor(config.model_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine_core = EngineCore(config, config.extra.get("load_format", "auto"))
+        self.engine_core_client = InprocClient(config, config.extra.get("load_format", "auto"))
+        self.engine_core = self.engine_core_client.engine_core  # direct access for tests and tools
         self._engine_ids: dict[str, list[str]] = {}  # user id -> engine ids (n > 1 has several)
 
     @classmethod
@@ -43,18 +44,15 @@ class LLMEngine:
         external_id = request.request_id
         if params.n == 1:
             self.output_processor.add_request(request, prompt, external_id)
-            self.engine_core.add_request(request)
+            self.engine_core_client.add_request(request)
             self._engine_ids[external_id] = [external_id]
             return
         parent = ParentRequest(external_id, params)
         ids = []
         for index in range(params.n):
-            child = EngineCoreRequest(
-                parent.child_id(index), request.prompt_token_ids, parent.child_params(index),
-                request.arrival_time, request.priority,
-            )
+            child = parent.child_request(request, index)
             self.output_processor.add_request(child, prompt, external_id, parent, index)
-            self.engine_core.add_request(child)
+            self.engine_core_client.add_request(child)
             ids.append(child.request_id)
         self._engine_ids[external_id] = ids
 
@@ -64,20 +62,20 @@ class LLMEngine:
     def abort_request(self, request_ids: list[str]) -> None:
         engine_ids = [eid for rid in request_ids for eid in self._engine_ids.pop(rid, [])]
         self.output_processor.abort_requests(engine_ids)
-        self.engine_core.abort_requests(engine_ids)
+        self.engine_core_client.abort_requests(engine_ids)
 
     def step(self) -> list[RequestOutput]:
-        outputs = self.engine_core.step()
+        outputs = self.engine_core_client.get_output()
         processed = self.output_processor.process_outputs(outputs.outputs)
         if processed.reqs_to_abort:
-            self.engine_core.abort_requests(processed.reqs_to_abort)
+            self.engine_core_client.abort_requests(processed.reqs_to_abort)
         for out in processed.request_outputs:
             if out.finished:
                 self._engine_ids.pop(out.request_id, None)
         return processed.request_outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.output_processor.has_unfinished_requests() or self.engine_core.has_unfinished_requests()
+        return self.output_processor.has_unfinished_requests() or self.engine_core_client.has_unfinished_requests()
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer

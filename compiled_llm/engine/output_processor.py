@@ -35,6 +35,13 @@ class ParentRequest:
         seed = None if self.params.seed is None else self.params.seed + index
         return self.params.clone(n=1, seed=seed)
 
+    def child_request(self, request: EngineCoreRequest, index: int) -> EngineCoreRequest:
+        """The engine request of child `index` of the user's `request`."""
+        return EngineCoreRequest(
+            self.child_id(index), request.prompt_token_ids, self.child_params(index),
+            request.arrival_time, request.priority,
+        )
+
 
 @dataclass
 class RequestState:

@@ -1,0 +1,265 @@
+"""`AsyncLLM`: the asyncio frontend that the OpenAI server drives.
+
+Tokenizes and validates on a worker thread (the event loop keeps serving meanwhile), sends the
+request to the engine core process, and runs one output-handler task that turns engine outputs
+into `RequestOutput`s (incremental detokenization, stop strings, `n > 1`) and hands each to its
+request's stream. Aborts (a client that went away, a stop string found here) go back to the
+engine at once so that its KV blocks are freed. If the engine dies, every open stream fails with
+`EngineDeadError` and `errored` turns true.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncGenerator, Callable, Iterable
+
+from compiled_llm.config import EngineConfig
+from compiled_llm.engine.arg_utils import EngineArgs
+from compiled_llm.engine.core_client import AsyncMPClient, EngineDeadError
+from compiled_llm.engine.messages import EngineCoreOutput
+from compiled_llm.engine.metrics import EngineMetrics
+from compiled_llm.engine.output_processor import OutputProcessor, ParentRequest
+from compiled_llm.engine.processor import Processor, PromptType
+from compiled_llm.engine.tokenizer import get_tokenizer
+from compiled_llm.logger import init_logger
+from compiled_llm.outputs import RequestOutput
+from compiled_llm.sampling_params import RequestOutputKind, SamplingParams
+
+logger = init_logger(__name__)
+
+
+class RequestStream:
+    """One request's outputs, from the output handler to its reader.
+
+    Outputs not read yet are merged into one (deltas appended, cumulative outputs replaced), so a
+    slow reader holds one pending output rather than a growing queue.
+    """
+
+    def __init__(self, request_id: str, aggregate: bool, on_done: Callable[[str], Any]) -> None:
+        self.request_id = request_id
+        self.engine_ids: list[str] = []
+        self._aggregate = aggregate
+        self._on_done = on_done
+        self._pending: RequestOutput | BaseException | None = None
+        self._ready = asyncio.Event()
+        self._done = False  # the last output (or an error) has been put
+        self.finished = False  # ... and read
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        if self._done:
+            return
+        if isinstance(item, RequestOutput) and isinstance(self._pending, RequestOutput):
+            self._pending.add(item, self._aggregate)
+        else:
+            self._pending = item
+        if isinstance(item, BaseException) or item.finished:
+            self._done = True
+            self._on_done(self.request_id)
+        self._ready.set()
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        await self._ready.wait()
+        item, self._pending = self._pending, None
+        self._ready.clear()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        assert item is not None
+        self.finished = item.finished
+        return item
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig, engine_timeout_s: float = 120.0) -> None:
+        self.config = config
+        self.model_config = config.model_config
+        self.tokenizer = get_tokenizer(config.model_config.model)
+        self.processor = Processor(self.model_config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.metrics = EngineMetrics(self.model_config.served_model_name)
+        self.output_processor.on_output = self.metrics.on_output
+        # One thread: HF tokenizers are not meant to be used from several threads at once.
+        self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        self.client = AsyncMPClient(config, engine_timeout_s)
+        self._streams: dict[str, RequestStream] = {}
+        self._handler: asyncio.Task | None = None
+        self.dead_error: EngineDeadError | None = None
+        self._dead = asyncio.Event()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, engine_timeout_s: float = 120.0) -> "AsyncLLM":
+        """Start the engine core process and wait until it is ready (model loaded, compiled)."""
+        return cls(args.create_engine_config(), engine_timeout_s)
+
+    # ---- state -------------------------------------------------------------------------------
+    @property
+    def errored(self) -> bool:
+        return self.dead_error is not None
+
+    @property
+    def is_running(self) -> bool:
+        return self._handler is not None and not self._handler.done()
+
+    @property
+    def num_open_requests(self) -> int:
+        return len(self._streams)
+
+    async def check_health(self) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError(str(self.dead_error))
+
+    async def wait_until_dead(self) -> EngineDeadError:
+        await self._dead.wait()
+        assert self.dead_error is not None
+        return self.dead_error
+
+    def start(self) -> None:
+        """Start the output handler on the running loop (the first request starts it otherwise);
+        until it runs, the engine's death goes unnoticed."""
+        if self._handler is None:
+            self._handler = asyncio.get_running_loop().create_task(self._handle_outputs(), name="AsyncLLMOutputs")
+
+    # ---- requests ----------------------------------------------------------------------------
+    async def add_request(
+        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
+    ) -> RequestStream:
+        """Validate and send a request; raises ValueError for a bad one before anything is queued."""
+        arrival = time.time()
+        await self.check_health()
+        if request_id in self._streams:
+            raise ValueError(f"Request id {request_id!r} is already in use.")
+        stream = RequestStream(request_id, params.output_kind == RequestOutputKind.DELTA, self._forget)
+        self._streams[request_id] = stream
+        try:
+            request, text = await asyncio.get_running_loop().run_in_executor(
+                self._tokenizer_pool, self.processor.process, request_id, prompt, params, arrival, priority
+            )
+            await self.check_health()
+            self.start()
+            if request.sampling_params.n == 1:
+                parent, children = None, [request]
+            else:
+                parent = ParentRequest(request_id, request.sampling_params)
+                children = [parent.child_request(request, i) for i in range(parent.n)]
+            for index, child in enumerate(children):
+                self.output_processor.add_request(child, text, request_id, parent, index, queue=stream)
+                stream.engine_ids.append(child.request_id)
+            for child in children:
+                await self.client.add_request_async(child)
+        except BaseException:
+            self._streams.pop(request_id, None)
+            self.output_processor.abort_requests(stream.engine_ids)
+            raise
+        return stream
+
+    async def generate(
+        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, priority: int = 0
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Outputs of one request as they come (as `sampling_params.output_kind` asks); leaving the
+        loop early, or being cancelled, aborts the request in the engine."""
+        stream = await self.add_request(request_id, prompt, sampling_params, priority)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            await self.abort(request_id)
+
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        """Abort open requests (unknown or finished ids are ignored); their readers get a last
+        output with finish reason "abort", and the engine frees their blocks."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        engine_ids = [eid for rid in ids if (s := self._streams.get(rid)) is not None for eid in s.engine_ids]
+        if not engine_ids:
+            return
+        self.output_processor.process_outputs([EngineCoreOutput(eid, [], finish_reason="abort") for eid in engine_ids])
+        await self.client.abort_requests_async(engine_ids)
+
+    async def abort_all(self) -> None:
+        await self.abort(list(self._streams))
+
+    async def begin_shutdown(self) -> None:
+        """The server is stopping: end every open request now, and take the engine's exit from
+        here on (it gets the same Ctrl-C) for part of the shutdown rather than a death."""
+        self.client.expect_exit()
+        await self.abort_all()
+
+    def _forget(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self.client.call_utility_async("reset_prefix_cache")
+
+    # ---- tokenizer work, off the event loop --------------------------------------------------
+    async def _in_tokenizer_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return await self._in_tokenizer_thread(
+            lambda: self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+        )
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        return await self._in_tokenizer_thread(self.tokenizer.decode, token_ids)
+
+    async def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        **template_kwargs: Any,
+    ) -> tuple[str, list[int]]:
+        """Render a conversation with the model's chat template; returns (text, token ids)."""
+
+        def render() -> tuple[str, list[int]]:
+            text = self.tokenizer.apply_chat_template(
+                messages, chat_template=chat_template, tokenize=False,
+                add_generation_prompt=add_generation_prompt, **template_kwargs,
+            )
+            return text, self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+        return await self._in_tokenizer_thread(render)
+
+    # ---- the output handler ------------------------------------------------------------------
+    async def _handle_outputs(self) -> None:
+        try:
+            while True:
+                outputs = await self.client.get_output_async()
+                if outputs.outputs:
+                    processed = self.output_processor.process_outputs(outputs.outputs)
+                    if processed.reqs_to_abort:
+                        await self.client.abort_requests_async(processed.reqs_to_abort)
+                if outputs.scheduler_stats is not None:
+                    self.metrics.record_scheduler_stats(outputs.scheduler_stats)
+        except EngineDeadError as e:
+            self._fail_all(e)
+        except Exception as e:
+            logger.exception("The output handler failed.")
+            self._fail_all(EngineDeadError(f"The output handler failed: {e}"))
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        if self.dead_error is None:
+            self.dead_error = error
+        self._end_streams(error)
+        self._dead.set()
+
+    def _end_streams(self, error: EngineDeadError) -> None:
+        streams = list(self._streams.values())
+        self._streams.clear()
+        self.output_processor.abort_requests(list(self.output_processor.states))
+        for stream in streams:
+            stream.put(EngineDeadError(str(error)))
+
+    def shutdown(self) -> None:
+        """Stop the engine process (joined) and end any stream still open with an error."""
+        if self._handler is not None and not self._handler.done() and not self._handler.get_loop().is_closed():
+            self._handler.cancel()
+        self._end_streams(EngineDeadError("The engine was shut down."))
+        self.client.shutdown()
+        self._tokenizer_pool.shutdown(wait=False)

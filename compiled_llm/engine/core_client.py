@@ -1,0 +1,316 @@
+"""Clients of the engine core: in-process (offline `LLM`, tests) and in its own process over
+ZeroMQ with asyncio (the server).
+
+`AsyncMPClient` owns the engine process from spawn to join. It notices the engine's death (the
+process exits, reports an error, or sends nothing for `engine_timeout_s` while work is in
+flight), fails everything open with `EngineDeadError`, and on `shutdown()` stops and joins the
+process so that no child is left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.util
+import shutil
+import tempfile
+import time
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from compiled_llm.config import EngineConfig
+from compiled_llm.engine.core_proc import Handshake, run_engine_core, run_utility
+from compiled_llm.engine.engine_core import EngineCore
+from compiled_llm.engine.messages import EngineCoreOutputs, EngineCoreRequest, RequestType, UtilityRequest
+from compiled_llm.logger import init_logger
+
+logger = init_logger(__name__)
+
+_POLL_MS = 1000  # how often the output task looks at the engine's liveness when nothing arrives
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core died or stopped answering: nothing it held will finish."""
+
+
+class EngineStartupError(RuntimeError):
+    """The engine core could not start (the message says why)."""
+
+
+class InprocClient:
+    """The engine core in this process, stepped by the caller (offline `LLM`)."""
+
+    def __init__(self, config: EngineConfig, load_format: str = "auto") -> None:
+        self.engine_core = EngineCore(config, load_format)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.engine_core.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.engine_core.abort_requests(request_ids)
+
+    def get_output(self) -> EngineCoreOutputs:
+        return self.engine_core.step()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine_core.has_unfinished_requests()
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        _, result, error = run_utility(self.engine_core, UtilityRequest(0, method, list(args)))
+        if error is not None:
+            raise RuntimeError(error)
+        return result
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()
+
+
+def _stop_engine(proc: multiprocessing.process.BaseProcess, conn: Any, folder: str) -> None:
+    """Ask the engine to exit, then insist; runs at shutdown and, as a last resort, at exit."""
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(5)
+    if proc.is_alive():
+        logger.warning("The engine core did not exit within 5 s of SIGTERM; killing it.")
+        proc.kill()
+        proc.join(5)
+    conn.close()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+class AsyncMPClient:
+    """The engine core in its own process (spawned), reached over two `ipc://` sockets.
+
+    Input: our PUSH connects to the engine's PULL; output: the engine's PUSH connects to our PULL.
+    The sending side connects, so messages queue from the start, before the peer is up.
+    Construction blocks until the engine is ready and raises `EngineStartupError` if it is not.
+    """
+
+    def __init__(self, config: EngineConfig, engine_timeout_s: float = 120.0) -> None:
+        self.engine_timeout_s = engine_timeout_s
+        self.dead_error: EngineDeadError | None = None
+        self._closed = False
+        self._exit_expected = False
+        self._folder = tempfile.mkdtemp(prefix="compiled-llm-")
+        input_address = f"ipc://{self._folder}/input"
+        output_address = f"ipc://{self._folder}/output"
+        self._ctx = zmq.Context()
+        self.input_socket = self._ctx.socket(zmq.PUSH)
+        self.input_socket.connect(input_address)
+        # An asyncio view of the same context. The async socket must own its handle: a shadowed
+        # sync socket would close it again when collected, by then maybe a newer client's socket.
+        self.output_socket = zmq.asyncio.Context.shadow(self._ctx).socket(zmq.PULL)
+        self.output_socket.bind(output_address)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._outputs: asyncio.Queue[EngineCoreOutputs | EngineDeadError] = asyncio.Queue()
+        self._receiver: asyncio.Task | None = None
+        self._in_flight: set[str] = set()
+        self._last_heard = time.monotonic()
+        self._utility_calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+
+        mp = multiprocessing.get_context("spawn")
+        self._conn, child_conn = mp.Pipe()
+        self.proc = mp.Process(
+            target=run_engine_core,
+            name="EngineCore",
+            args=(config, config.extra.get("load_format", "auto"), input_address, output_address, child_conn),
+        )
+        started = time.perf_counter()
+        self.proc.start()
+        child_conn.close()
+        # Runs at interpreter exit before multiprocessing joins its children, so a forgotten
+        # client neither hangs the exit nor leaves the engine behind.
+        self._finalizer = multiprocessing.util.Finalize(
+            self, _stop_engine, args=(self.proc, self._conn, self._folder), exitpriority=10
+        )
+        try:
+            handshake = self._wait_for_handshake()
+        except BaseException:
+            self.shutdown()
+            raise
+        config.cache_config.num_blocks = handshake.num_blocks
+        total = time.perf_counter() - started
+        logger.info(
+            "Engine core (pid %d) ready in %.1f s: process start and imports %.1f s, weights %.1f s, "
+            "KV cache %.1f s, compile or warm-up %.1f s.",
+            self.proc.pid, total, total - handshake.startup_seconds, handshake.load_seconds, handshake.kv_seconds,
+            handshake.startup_seconds - handshake.load_seconds - handshake.kv_seconds,
+        )
+
+    def _wait_for_handshake(self) -> Handshake:
+        ready = multiprocessing.connection.wait([self._conn, self.proc.sentinel])
+        if self._conn in ready:
+            try:
+                handshake = msgspec.msgpack.decode(self._conn.recv_bytes(), type=Handshake)
+            except EOFError:
+                handshake = None
+            if handshake is not None:
+                if handshake.ok:
+                    return handshake
+                raise EngineStartupError(f"The engine core failed to start: {handshake.error}")
+        self.proc.join(5)
+        raise EngineStartupError(
+            f"The engine core process exited during start-up (exit code {self.proc.exitcode}); see its log above."
+        )
+
+    # ---- liveness and outputs ------------------------------------------------------------------
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid
+
+    def _ensure_receiving(self) -> None:
+        if self._receiver is None and not self._closed:
+            self._receiver = asyncio.get_running_loop().create_task(self._receive_outputs(), name="EngineCoreOutputs")
+
+    def start(self) -> None:
+        """Start watching the engine from the running event loop (otherwise the first call does)."""
+        self._ensure_receiving()
+
+    def expect_exit(self) -> None:
+        """A shutdown has begun: the engine exiting now (on the same Ctrl-C, say) is no death."""
+        self._exit_expected = True
+
+    async def _receive_outputs(self) -> None:
+        poller = zmq.asyncio.Poller()
+        poller.register(self.output_socket, zmq.POLLIN)
+        poller.register(self.proc.sentinel, zmq.POLLIN)
+        decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+        try:
+            while True:
+                events = dict(await poller.poll(_POLL_MS))
+                if self.output_socket in events:
+                    self._deliver(decoder.decode(await self.output_socket.recv()))
+                elif self.proc.sentinel in events:
+                    if self._exit_expected:
+                        return
+                    while await self.output_socket.poll(0):  # what it sent before it went
+                        self._deliver(decoder.decode(await self.output_socket.recv()))
+                    self.proc.join(1)
+                    raise EngineDeadError(
+                        f"The engine core process exited unexpectedly (exit code {self.proc.exitcode})."
+                    )
+                elif (self._in_flight or self._utility_calls) and (
+                    time.monotonic() - self._last_heard > self.engine_timeout_s
+                ):
+                    self.proc.kill()
+                    raise EngineDeadError(
+                        f"The engine core stopped answering: nothing for {self.engine_timeout_s:g} s with "
+                        f"{len(self._in_flight)} requests in flight; it was killed."
+                    )
+        except EngineDeadError as e:
+            self._mark_dead(e)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            if not self._closed:
+                logger.exception("Receiving engine core outputs failed.")
+                self._mark_dead(EngineDeadError(f"Lost the engine core's output socket: {e}"))
+
+    def _deliver(self, outputs: EngineCoreOutputs) -> None:
+        self._last_heard = time.monotonic()
+        if outputs.engine_dead:
+            raise EngineDeadError("The engine core hit an error and stopped; see its log.")
+        if outputs.utility_output is not None:
+            call_id, result, error = outputs.utility_output
+            future = self._utility_calls.pop(call_id, None)
+            if future is not None and not future.done():
+                if error is None:
+                    future.set_result(result)
+                else:
+                    future.set_exception(RuntimeError(error))
+            return
+        for out in outputs.outputs:
+            if out.finished:
+                self._in_flight.discard(out.request_id)
+        self._outputs.put_nowait(outputs)
+
+    def _mark_dead(self, error: EngineDeadError) -> None:
+        if self.dead_error is not None:
+            return
+        logger.error("%s", error)
+        self.dead_error = error
+        for future in self._utility_calls.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(str(error)))
+        self._utility_calls.clear()
+        self._in_flight.clear()
+        self._outputs.put_nowait(error)
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        """The next batch of outputs; raises `EngineDeadError` once the engine is gone."""
+        self._ensure_receiving()
+        item = await self._outputs.get()
+        if isinstance(item, EngineDeadError):
+            self._outputs.put_nowait(item)  # every later call fails the same way
+            raise EngineDeadError(str(item))
+        return item
+
+    # ---- requests --------------------------------------------------------------------------
+    def _send(self, kind: RequestType, data: bytes) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError(str(self.dead_error))
+        if self._closed:
+            raise EngineDeadError("The engine core client is shut down.")
+        try:
+            # Never blocks the event loop: the engine's input thread drains the socket at once,
+            # so a full queue means it is not reading any more.
+            self.input_socket.send_multipart([kind.value, data], flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self.proc.kill()
+            self._mark_dead(EngineDeadError("The engine core stopped reading its input; it was killed."))
+            raise EngineDeadError(str(self.dead_error))
+
+    async def add_request_async(self, request: EngineCoreRequest) -> None:
+        self._ensure_receiving()
+        if not self._in_flight:
+            self._last_heard = time.monotonic()
+        self._send(RequestType.ADD, self._encoder.encode(request))
+        self._in_flight.add(request.request_id)
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        if not request_ids or self.dead_error is not None or self._closed:
+            return  # a dead engine holds nothing to free
+        self._send(RequestType.ABORT, self._encoder.encode(request_ids))
+        self._in_flight.difference_update(request_ids)
+
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        self._ensure_receiving()
+        call_id = next(self._call_ids)
+        future = asyncio.get_running_loop().create_future()
+        if not self._in_flight and not self._utility_calls:
+            self._last_heard = time.monotonic()
+        self._utility_calls[call_id] = future
+        try:
+            self._send(RequestType.UTILITY, self._encoder.encode(UtilityRequest(call_id, method, list(args))))
+        except EngineDeadError:
+            self._utility_calls.pop(call_id, None)
+            raise
+        return await future
+
+    async def reset_prefix_cache_async(self) -> bool:
+        return await self.call_utility_async("reset_prefix_cache")
+
+    # ---- shutdown ---------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop the engine process and join it (SHUTDOWN, then SIGTERM, then SIGKILL)."""
+        if self._closed:
+            return
+        if self.proc.is_alive() and self.dead_error is None:
+            try:
+                self.input_socket.send_multipart([RequestType.SHUTDOWN.value, b""], flags=zmq.NOBLOCK)
+                self.proc.join(5)
+            except zmq.ZMQError:
+                pass
+        self._closed = True
+        if self._receiver is not None and not self._receiver.done() and not self._receiver.get_loop().is_closed():
+            self._receiver.cancel()
+        self._finalizer()
+        self.input_socket.close(linger=0)
+        self.output_socket.close(linger=0)
+        self._ctx.term()

@@ -1,0 +1,235 @@
+"""`EngineCore` in its own process, so that a model step never waits on the HTTP server and the
+server never waits on a model step.
+
+The process runs a busy loop on its main thread: drain the input queue (add, abort, utility
+calls, shutdown), step the engine while there is work, and block on the queue when there is none.
+Socket I/O lives on two daemon threads: one receives and decodes msgpack frames into the input
+queue, the other encodes and sends what the loop puts on the output queue. Messages are msgspec
+structs, never pickles: a peer can send data, not code.
+
+Start-up: the client hands the process one end of a pipe. The process answers on it once, with a
+`Handshake` (ready, or the start-up error in words), and then watches it: when the client's end
+closes, because the client shut down or died, the engine exits too.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import threading
+import time
+from multiprocessing.connection import Connection
+from typing import Any, Callable
+
+import msgspec
+import zmq
+
+from compiled_llm.config import EngineConfig
+from compiled_llm.engine.engine_core import EngineCore
+from compiled_llm.engine.messages import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    RequestType,
+    UtilityRequest,
+)
+from compiled_llm.logger import init_logger
+
+logger = init_logger(__name__)
+
+ENGINE_PROC_TITLE = "compiled_llm::EngineCore"
+
+# Calls a client may make by name; nothing else is reachable over the socket.
+UTILITIES: dict[str, Callable[..., Any]] = {
+    "ping": lambda engine: "pong",
+    "reset_prefix_cache": lambda engine: engine.reset_prefix_cache(),
+}
+
+
+class Handshake(msgspec.Struct, omit_defaults=True):
+    """The engine process's one message on the start-up pipe."""
+
+    ok: bool
+    error: str | None = None
+    num_blocks: int = 0
+    load_seconds: float = 0.0  # model weights
+    kv_seconds: float = 0.0  # KV-cache sizing and allocation
+    startup_seconds: float = 0.0  # the whole EngineCore construction, compile or warm-up included
+
+
+def run_utility(engine: EngineCore, request: UtilityRequest) -> tuple[int, Any, str | None]:
+    """Run a named utility call; returns (call id, result, error message)."""
+    fn = UTILITIES.get(request.method)
+    if fn is None:
+        return request.call_id, None, f"Unknown utility method {request.method!r}."
+    try:
+        return request.call_id, fn(engine, *request.args), None
+    except Exception as e:  # a failed utility call is the caller's answer, not the engine's death
+        logger.exception("Utility call %s failed.", request.method)
+        return request.call_id, None, f"{type(e).__name__}: {e}"
+
+
+class EngineCoreProc:
+    """The busy loop around an `EngineCore`, with its two socket threads."""
+
+    def __init__(self, engine: EngineCore, input_address: str, output_address: str) -> None:
+        self.engine = engine
+        self.input_queue: queue.Queue[tuple[RequestType, Any]] = queue.Queue()
+        self.output_queue: queue.Queue[EngineCoreOutputs | None] = queue.Queue()
+        self._stop_input = threading.Event()
+        self._shutdown_requested = False
+        self._stats_stale = False
+        ctx = zmq.Context()
+        self.input_thread = threading.Thread(
+            target=self._receive_inputs, args=(ctx, input_address), name="EngineCoreInput", daemon=True
+        )
+        self.output_thread = threading.Thread(
+            target=self._send_outputs, args=(ctx, output_address), name="EngineCoreOutput", daemon=True
+        )
+        self.input_thread.start()
+        self.output_thread.start()
+
+    # ---- the main thread -----------------------------------------------------------------------
+    def run_busy_loop(self) -> None:
+        engine = self.engine
+        while not self._shutdown_requested:
+            if not engine.has_unfinished_requests():
+                if self._stats_stale:
+                    # Idle after aborts: publish the stats once so gauges fall back to zero.
+                    self._stats_stale = False
+                    self.output_queue.put(engine.step())
+                self._handle(*self.input_queue.get())
+            while True:
+                try:
+                    self._handle(*self.input_queue.get_nowait())
+                except queue.Empty:
+                    break
+            if self._shutdown_requested:
+                break
+            if engine.has_unfinished_requests():
+                self._stats_stale = False
+                self.output_queue.put(engine.step())
+
+    def _handle(self, kind: RequestType, data: Any) -> None:
+        if kind == RequestType.ADD:
+            self.engine.add_request(data)
+        elif kind == RequestType.ABORT:
+            self.engine.abort_requests(data)
+        elif kind == RequestType.UTILITY:
+            self.output_queue.put(EngineCoreOutputs(utility_output=run_utility(self.engine, data)))
+            return
+        elif kind == RequestType.SHUTDOWN:
+            self._shutdown_requested = True
+        self._stats_stale = True
+
+    def report_dead(self) -> None:
+        self.output_queue.put(EngineCoreOutputs(engine_dead=True, timestamp=time.time()))
+
+    def shutdown(self) -> None:
+        """Stop both threads; the output thread sends what is queued first (a few seconds at most)."""
+        self._stop_input.set()
+        self.output_queue.put(None)
+        self.output_thread.join(timeout=5)
+        self.input_thread.join(timeout=1)
+
+    # ---- the socket threads -------------------------------------------------------------------
+    def _receive_inputs(self, ctx: zmq.Context, address: str) -> None:
+        decoders = {
+            RequestType.ADD: msgspec.msgpack.Decoder(EngineCoreRequest),
+            RequestType.ABORT: msgspec.msgpack.Decoder(list[str]),
+            RequestType.UTILITY: msgspec.msgpack.Decoder(UtilityRequest),
+        }
+        sock = ctx.socket(zmq.PULL)
+        sock.bind(address)
+        try:
+            while not self._stop_input.is_set():
+                if not sock.poll(100):
+                    continue
+                frames = sock.recv_multipart()
+                try:
+                    kind = RequestType(frames[0])
+                    decoder = decoders.get(kind)
+                    data = decoder.decode(frames[1]) if decoder is not None else None
+                except (ValueError, IndexError, msgspec.DecodeError) as e:
+                    logger.error("Dropped a malformed message to the engine core: %s", e)
+                    continue
+                self.input_queue.put((kind, data))
+        finally:
+            sock.close(linger=0)
+
+    def _send_outputs(self, ctx: zmq.Context, address: str) -> None:
+        encoder = msgspec.msgpack.Encoder()
+        sock = ctx.socket(zmq.PUSH)
+        sock.connect(address)
+        try:
+            while True:
+                outputs = self.output_queue.get()
+                if outputs is None:
+                    break
+                sock.send(encoder.encode(outputs), copy=False)
+        finally:
+            sock.close(linger=1000)
+
+
+def _exit_on_signal(signum: int, frame: Any) -> None:
+    # Once: a second signal must not interrupt the clean-up the first one started.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise SystemExit(0)
+
+
+def _watch_parent(conn: Connection) -> None:
+    """Block on the start-up pipe; its end of file means the client is gone: exit."""
+    try:
+        while True:
+            conn.recv_bytes()
+    except (EOFError, OSError):
+        pass
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def run_engine_core(
+    config: EngineConfig, load_format: str, input_address: str, output_address: str, conn: Connection
+) -> None:
+    """Entry point of the engine process (multiprocessing, spawn context)."""
+    from setproctitle import setproctitle
+
+    setproctitle(ENGINE_PROC_TITLE)
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    signal.signal(signal.SIGINT, _exit_on_signal)
+    threading.Thread(target=_watch_parent, args=(conn,), name="ParentWatch", daemon=True).start()
+    encoder = msgspec.msgpack.Encoder()
+    try:
+        engine = EngineCore(config, load_format)
+    except SystemExit:
+        return
+    except BaseException as e:
+        logger.exception("Engine core failed to start.")
+        conn.send_bytes(encoder.encode(Handshake(ok=False, error=f"{type(e).__name__}: {e}")))
+        raise SystemExit(1)
+    proc = EngineCoreProc(engine, input_address, output_address)
+    conn.send_bytes(
+        encoder.encode(
+            Handshake(
+                ok=True,
+                num_blocks=config.cache_config.num_blocks or 0,
+                load_seconds=engine.runner.load_seconds,
+                kv_seconds=engine.kv_seconds,
+                startup_seconds=engine.startup_seconds,
+            )
+        )
+    )
+    exit_code = 0
+    try:
+        proc.run_busy_loop()
+    except SystemExit:
+        pass
+    except BaseException:
+        logger.exception("Engine core died.")
+        proc.report_dead()
+        exit_code = 1
+    finally:
+        proc.shutdown()
+        engine.shutdown()
+    logger.info("Engine core exited.")
+    raise SystemExit(exit_code)

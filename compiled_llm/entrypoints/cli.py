@@ -1,0 +1,88 @@
+"""The `compiled-llm` command: one subcommand per job, each a pair of functions (add its
+arguments, run it) in `SUBCOMMANDS`, so that adding one is adding an entry."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from compiled_llm import __version__
+
+
+@dataclass(frozen=True)
+class Subcommand:
+    help: str
+    add_args: Callable[[argparse.ArgumentParser], object]
+    run: Callable[[argparse.Namespace], int]
+
+
+def _add_serve_args(parser: argparse.ArgumentParser) -> None:
+    from compiled_llm.entrypoints.openai.api_server import add_serve_args
+
+    add_serve_args(parser)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from compiled_llm.entrypoints.openai.api_server import run_server
+
+    return run_server(args)
+
+
+def _add_generate_args(parser: argparse.ArgumentParser) -> None:
+    from compiled_llm.engine.arg_utils import EngineArgs
+
+    parser.add_argument("prompt", help="The prompt (a user message with --chat).")
+    EngineArgs.add_cli_args(parser)
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default).")
+    g.add_argument("--chat", action="store_true", help="Wrap the prompt in the model's chat template.")
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from compiled_llm import SamplingParams
+    from compiled_llm.engine.arg_utils import EngineArgs
+    from compiled_llm.entrypoints.llm import LLM
+
+    engine_args = EngineArgs.from_cli_args(args)
+    llm = LLM(**dataclasses.asdict(engine_args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    if args.chat:
+        outputs = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
+    else:
+        outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    print(outputs[0].outputs[0].text)
+    return 0
+
+
+SUBCOMMANDS: dict[str, Subcommand] = {
+    "serve": Subcommand("Serve a model over an OpenAI-compatible HTTP API.", _add_serve_args, _run_serve),
+    "generate": Subcommand("Print a completion of one prompt (offline, no server).", _add_generate_args,
+                           _run_generate),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="compiled-llm", description="An LLM-serving runtime built around the compiler.")
+    parser.add_argument("--version", action="version", version=f"compiled-llm {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, command in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=command.help, description=command.help)
+        command.add_args(p)
+        p.set_defaults(run=command.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

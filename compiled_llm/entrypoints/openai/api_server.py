@@ -1,0 +1,211 @@
+"""The OpenAI-compatible server: a FastAPI app around one `AsyncLLM`, served by uvicorn.
+
+The engine starts before uvicorn binds the port (so a client that can connect can be served);
+the app's lifespan starts the engine's output handler and a watch on its death, and shuts the
+engine down at the end. On SIGINT/SIGTERM open requests are aborted, so their streams end at
+once and uvicorn's graceful shutdown does not wait on them. If the engine dies, open requests
+fail, /health answers 503, and the server exits with status 1 so that a supervisor restarts it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import secrets
+import signal
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Callable
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from compiled_llm import __version__
+from compiled_llm.engine.arg_utils import EngineArgs
+from compiled_llm.engine.async_llm import AsyncLLM
+from compiled_llm.engine.core_client import EngineStartupError
+from compiled_llm.entrypoints.openai.errors import engine_dead_message, error_response, install_error_handlers
+from compiled_llm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
+from compiled_llm.entrypoints.openai.serving_chat import OpenAIServingChat
+from compiled_llm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from compiled_llm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from compiled_llm.logger import init_logger
+
+logger = init_logger(__name__)
+
+_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+
+
+class APIKeyMiddleware:
+    """401 unless `Authorization: Bearer <key>`, on the routes that reach the model.
+
+    Plain ASGI rather than Starlette's BaseHTTPMiddleware, which gets between a streaming
+    response and the client's disconnect."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"].startswith(_PROTECTED_PREFIXES):
+            given = Headers(scope=scope).get("authorization", "").encode()
+            if not secrets.compare_digest(given, self.expected):
+                response = error_response(
+                    "Missing or incorrect API key: send it as `Authorization: Bearer <key>`.", 401,
+                    code="invalid_api_key",
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _exit_when_engine_dies(engine: AsyncLLM, on_engine_dead: Callable[[], None]) -> None:
+    error = await engine.wait_until_dead()
+    logger.error("The engine died (%s); the server exits so that a supervisor can restart it.", error)
+    await asyncio.sleep(0.5)  # let open streams send their error event
+    on_engine_dead()
+
+
+def build_app(
+    engine: AsyncLLM, api_key: str | None = None, on_engine_dead: Callable[[], None] | None = None
+) -> FastAPI:
+    name = engine.model_config.served_model_name
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        watch = asyncio.create_task(_exit_when_engine_dies(engine, on_engine_dead)) if on_engine_dead else None
+        try:
+            yield
+        finally:
+            if watch is not None:
+                watch.cancel()
+            await engine.begin_shutdown()
+            engine.shutdown()
+
+    app = FastAPI(title="compiled-llm", version=__version__, lifespan=lifespan)
+    install_error_handlers(app)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    completions = OpenAIServingCompletion(engine, name)
+    chat = OpenAIServingChat(engine, name)
+    tokenization = OpenAIServingTokenization(engine, name)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.errored:
+            return error_response(engine_dead_message(engine.dead_error), 503, code="engine_dead")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, Any]:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        card = ModelCard(id=name, root=engine.model_config.model, max_model_len=engine.model_config.max_model_len)
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.post("/v1/completions")
+    async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
+        return await completions.create_completion(request, raw_request)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
+        return await chat.create_chat_completion(request, raw_request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest) -> JSONResponse:
+        return JSONResponse((await tokenization.tokenize(request)).model_dump())
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> JSONResponse:
+        return JSONResponse((await tokenization.detokenize(request)).model_dump())
+
+    return app
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, which also aborts open requests when told to exit, so that their
+    streams end now instead of holding up the graceful shutdown."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLM, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.loop = loop
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        super().handle_exit(sig, frame)
+        self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self.engine.begin_shutdown()))
+
+
+async def _announce_when_ready(server: uvicorn.Server, engine: AsyncLLM, url: str) -> None:
+    while not server.started:
+        await asyncio.sleep(0.05)
+    logger.info("Ready: serving %s at %s/v1", engine.model_config.served_model_name, url)
+
+
+async def serve_http(engine: AsyncLLM, host: str, port: int, api_key: str | None) -> None:
+    loop = asyncio.get_running_loop()
+    server: _Server | None = None
+
+    def on_engine_dead() -> None:
+        assert server is not None
+        server.should_exit = True
+
+    app = build_app(engine, api_key, on_engine_dead)
+    config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+    server = _Server(config, engine, loop)
+    announce = asyncio.create_task(_announce_when_ready(server, engine, f"http://{host}:{port}"))
+    try:
+        await server.serve()
+    finally:
+        announce.cancel()
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    EngineArgs.add_cli_args(parser)
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="Address to bind (default: 127.0.0.1, this machine only).")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None, help="Require `Authorization: Bearer KEY` on /v1 and tokenizer routes.")
+    g.add_argument("--engine-timeout", type=float, default=120.0,
+                   help="Seconds without any engine output, while requests are open, after which the engine "
+                        "counts as hung and the server exits (default: 120).")
+    return parser
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """`compiled-llm serve`: 0 after a clean shutdown, 1 when the engine failed to start or died."""
+    # Until uvicorn installs its own handlers, SIGTERM unwinds like Ctrl-C, so the engine is joined.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        engine = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args), args.engine_timeout)
+    except (EngineStartupError, ValueError, OSError) as e:  # a bad model folder or setting, said plainly
+        logger.error("%s", e)
+        return 1
+    try:
+        asyncio.run(serve_http(engine, args.host, args.port, args.api_key))
+    except KeyboardInterrupt:
+        pass  # the signal uvicorn re-raises after its graceful shutdown
+    finally:
+        engine.shutdown()
+    return 1 if engine.errored else 0

@@ -1,0 +1,157 @@
+"""What the completion and chat handlers share: model and length checks, turning the engine's
+ValueErrors into 400s, server-sent events, and aborting requests whose client went away."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, AsyncIterator, Awaitable, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel
+
+from compiled_llm.engine.async_llm import AsyncLLM, RequestStream
+from compiled_llm.engine.core_client import EngineDeadError
+from compiled_llm.engine.processor import PromptType
+from compiled_llm.entrypoints.openai.errors import OpenAIError, engine_dead_message, error_body
+from compiled_llm.entrypoints.openai.protocol import SamplingRequest
+from compiled_llm.outputs import RequestOutput
+from compiled_llm.sampling_params import SamplingParams
+
+T = TypeVar("T")
+
+DONE = "data: [DONE]\n\n"
+
+
+def sse(payload: BaseModel) -> str:
+    return f"data: {payload.model_dump_json()}\n\n"
+
+
+def sse_error(error: BaseException) -> str:
+    """The event a stream ends with when it cannot finish (then `[DONE]`)."""
+    if isinstance(error, EngineDeadError):
+        body = error_body(engine_dead_message(error), 503, code="engine_dead")
+    else:
+        body = error_body(f"Internal server error: {type(error).__name__}: {error}", 500)
+    return f"data: {json.dumps(body.model_dump())}\n\n"
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLM, served_model_name: str) -> None:
+        self.engine = engine
+        self.served_model_name = served_model_name
+        self.max_model_len = engine.model_config.max_model_len
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise OpenAIError(
+                f"The model `{model}` does not exist; this server serves `{self.served_model_name}`.",
+                404, "model", "model_not_found",
+            )
+
+    def check_request(self, request: SamplingRequest) -> None:
+        self.check_model(request.model)
+        problem = request.unsupported()
+        if problem is not None:
+            raise OpenAIError(problem)
+
+    def check_length(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+        """A prompt that fits, asking for more tokens than fit after it, is a 400 (as in vLLM).
+        A prompt that does not fit at all is the Processor's 400, with its own message."""
+        if max_tokens is None or num_prompt_tokens > self.max_model_len:
+            return
+        if num_prompt_tokens + max_tokens > self.max_model_len:
+            raise OpenAIError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} in the "
+                "completion). Please reduce the length of the prompt or of the completion.",
+                param="max_tokens", code="context_length_exceeded",
+            )
+
+    @staticmethod
+    def sampling_params(request: SamplingRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        try:
+            return request.sampling_params(max_tokens, logprobs, bool(request.stream))
+        except ValueError as e:
+            raise OpenAIError(str(e)) from e
+
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> RequestStream:
+        try:
+            return await self.engine.add_request(request_id, prompt, params)
+        except ValueError as e:
+            raise OpenAIError(str(e)) from e
+
+    async def add_requests(self, request_id: str, prompts: list[PromptType], params: SamplingParams) -> list[RequestStream]:
+        """All or nothing: if one prompt is refused, the ones already sent are aborted."""
+        streams: list[RequestStream] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                streams.append(await self.add_request(f"{request_id}-{i}", prompt, params))
+        except BaseException:
+            await self.engine.abort([s.request_id for s in streams])
+            raise
+        return streams
+
+
+async def final_output(stream: RequestStream) -> RequestOutput:
+    last = None
+    async for output in stream:
+        last = output
+    assert last is not None
+    return last
+
+
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several streams as they come, tagged with the stream's position."""
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+        return
+    pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in done:
+                i = pending.pop(future)
+                try:
+                    output = future.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(streams[i]))] = i
+                yield i, output
+    finally:
+        for future in pending:
+            future.cancel()
+
+
+async def _client_gone(raw_request: Request) -> None:
+    while (await raw_request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(raw_request: Request, work: Awaitable[T]) -> T | None:
+    """Run `work` (a non-streaming response) but cancel it if the client disconnects first, so
+    its requests are aborted rather than generated for nobody. None: the client is gone."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_client_gone(raw_request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    return None
+
+
+def usage_counts(prompt_token_counts: list[int], completion_tokens: int) -> dict[str, Any]:
+    prompt_tokens = sum(prompt_token_counts)
+    return dict(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                total_tokens=prompt_tokens + completion_tokens)

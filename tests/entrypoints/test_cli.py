@@ -1,0 +1,53 @@
+"""The `compiled-llm` command line: its subcommands and a completion printed by `generate`."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from compiled_llm.entrypoints.cli import SUBCOMMANDS, build_parser
+
+TIMEOUT = 300
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "compiled_llm.entrypoints.cli", *args], capture_output=True,
+                          text=True, timeout=TIMEOUT)
+
+
+def test_subcommands_and_defaults():
+    assert {"serve", "generate"} <= set(SUBCOMMANDS)
+    args = build_parser().parse_args(["serve"])
+    assert args.host == "127.0.0.1" and args.port == 8000 and args.model is None and args.api_key is None
+    args = build_parser().parse_args(["serve", "/m", "-O0", "--port", "9", "--api-key", "k", "--served-model-name",
+                                      "n", "--max-model-len", "512", "--no-enable-prefix-caching"])
+    assert (args.model, args.optimization_level, args.port, args.api_key, args.served_model_name) == ("/m", 0, 9, "k", "n")
+    assert args.max_model_len == 512 and args.enable_prefix_caching is False
+    args = build_parser().parse_args(["generate", "Hi there", "/m", "--max-tokens", "3", "--chat"])
+    assert (args.prompt, args.model, args.max_tokens, args.chat) == ("Hi there", "/m", 3, True)
+
+
+def test_console_script_help():
+    exe = shutil.which("compiled-llm")
+    if exe is None:
+        pytest.skip("the package is not installed (no console script)")
+    out = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "serve" in out.stdout and "generate" in out.stdout
+
+
+def test_generate_prints_a_completion(real_model_path):
+    flags = ["-O0", "--max-model-len", "512", "--kv-cache-memory-bytes", str(64 << 20), "--max-tokens", "6"]
+    plain = cli("generate", "The capital of France is", *flags)
+    assert plain.returncode == 0, plain.stderr
+    assert plain.stdout.strip()
+    chat = cli("generate", "Say hello.", real_model_path, "--chat", *flags)
+    assert chat.returncode == 0, chat.stderr
+    assert chat.stdout.strip()
+
+
+def test_serve_reports_a_bad_model_folder(tmp_path):
+    out = cli("serve", str(tmp_path / "missing"), "-O0")
+    assert out.returncode == 1 and "does not exist" in out.stderr
