@@ -1,4 +1,8 @@
-"""Paged attention in plain torch: the CPU backend and the reference for the Triton kernels.
+"""Paged attention on a CPU.
+
+The torch code here is the reference (for the Triton kernels and the C++ kernels) and the
+fallback. When the C++ kernels are built (kernels/cpu_extension.py), float32 KV writes and
+decode attention go through them: they read the paged cache in place instead of gathering it.
 
 KV-cache layout: `[2, num_blocks, block_size, num_kv_heads, head_dim]` (keys, then values).
 A token's slot is `block_id * block_size + offset`; block 0 is the null block.
@@ -12,10 +16,19 @@ import torch.nn.functional as F
 from compiled_llm.kernels.metadata import AttentionMetadata
 
 
+def _use_cpp(kv_cache: torch.Tensor) -> bool:
+    from compiled_llm.kernels.cpu_extension import cpu_kernels_available
+
+    return kv_cache.dtype == torch.float32 and cpu_kernels_available()
+
+
 def write_kv_cache(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, reference: bool = False
 ) -> None:
     """Store each token's key and value at its slot; a slot of -1 (padding) writes nothing."""
+    if not reference and _use_cpp(kv_cache) and key.stride(1) == key.shape[2] and value.stride(1) == value.shape[2]:
+        torch.ops.compiled_llm_cpu.write_kv_cache(key, value, kv_cache[0], kv_cache[1], slot_mapping[: key.shape[0]])
+        return
     num_kv_heads, head_dim = key.shape[-2:]
     key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
     value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
@@ -44,6 +57,7 @@ def paged_attention(
     metadata: AttentionMetadata,
     scale: float,
     output: torch.Tensor | None = None,
+    reference: bool = False,
 ) -> torch.Tensor:
     """Causal attention of every query token over its request's cached context and itself.
 
@@ -62,7 +76,12 @@ def paged_attention(
     starts = metadata.query_start_loc_cpu
 
     num_decodes = metadata.num_decodes
-    if num_decodes:
+    if num_decodes and not reference and _use_cpp(kv_cache) and query.stride(1) == head_dim:
+        torch.ops.compiled_llm_cpu.paged_decode_attention(
+            output[:num_decodes], query[:num_decodes], key_cache, value_cache,
+            metadata.block_tables[:num_decodes], metadata.seq_lens[:num_decodes], scale,
+        )
+    elif num_decodes:
         # All single-token queries in one batched call over their gathered, padded contexts.
         max_len = int(seq_lens[:num_decodes].max())
         num_blocks = -(-max_len // block_size)

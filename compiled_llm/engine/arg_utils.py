@@ -46,6 +46,7 @@ class EngineArgs:
     require_cache_hit: bool = False
     cudagraph_mode: str | None = None
     cudagraph_capture_sizes: list[int] | None = None
+    inductor_options: dict | None = None  # None: the device's defaults (CompilationConfig.resolve)
     num_threads: int | None = None
     load_format: str = "auto"
 
@@ -74,6 +75,7 @@ class EngineArgs:
             require_cache_hit=self.require_cache_hit,
             cudagraph_mode=CUDAGraphMode[self.cudagraph_mode.upper()] if self.cudagraph_mode else None,
             cudagraph_capture_sizes=self.cudagraph_capture_sizes,
+            inductor_options=self.inductor_options,
         )
         compilation_config.resolve(device.type, max_num_seqs, max_num_batched_tokens)
         return EngineConfig(
@@ -116,6 +118,8 @@ class EngineArgs:
                        help="Fail instead of compiling when the compile cache misses.")
         c.add_argument("--cudagraph-mode", default=None, choices=[m.name.lower() for m in CUDAGraphMode])
         c.add_argument("--cudagraph-capture-sizes", type=_parse_sizes, default=None)
+        c.add_argument("--inductor-options", type=json.loads, default=None,
+                       help='Inductor config patches as JSON, e.g. \'{"cpp_wrapper": true}\' (default: tuned per device).')
         return parser
 
     @classmethod

@@ -48,6 +48,10 @@ class ModelRunner:
         self.vocab_size = mc.vocab_size
         if self.device.type == "cpu" and config.num_threads:
             torch.set_num_threads(config.num_threads)
+        if self.device.type == "cpu":
+            from compiled_llm.kernels.cpu_extension import cpu_kernels_available
+
+            cpu_kernels_available()  # build (once per machine) now rather than in the first step
         torch.manual_seed(mc.seed)
 
         start = time.perf_counter()

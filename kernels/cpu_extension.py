@@ -1,0 +1,52 @@
+"""Builds and loads the C++ CPU attention kernels (kernels/csrc/cpu_attention.cpp) once per machine.
+
+The build (about 20 s) lands under the user cache dir, keyed by the source and torch version,
+and is shared by every later process. Without a working compiler the engine falls back to the
+torch implementation, with one warning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("compiled_llm.kernels")
+
+_SOURCE = Path(__file__).with_name("csrc") / "cpu_attention.cpp"
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast"]
+
+
+def build_dir() -> Path:
+    from compiled_llm.utils import user_cache_dir
+
+    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode() + torch.__version__.encode()).hexdigest()[:16]
+    return user_cache_dir() / "torch_extensions" / f"cpu_attention-{digest}"
+
+
+@lru_cache(maxsize=1)
+def cpu_kernels_available() -> bool:
+    """Build (first time on this machine) and load the kernels; False if that is impossible."""
+    if os.environ.get("COMPILED_LLM_DISABLE_CPU_KERNELS"):
+        return False
+    try:
+        from torch.utils.cpp_extension import load
+
+        folder = build_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        load(
+            name="compiled_llm_cpu_attention",
+            sources=[str(_SOURCE)],
+            extra_cflags=_FLAGS,
+            build_directory=str(folder),
+            is_python_module=False,
+            verbose=False,
+        )
+        return hasattr(torch.ops.compiled_llm_cpu, "paged_decode_attention")
+    except Exception as e:  # no compiler, no headers, an unsupported platform
+        logger.warning("C++ CPU attention kernels unavailable (%s); using the torch implementation.", e)
+        return False
