@@ -18,7 +18,8 @@ import torch
 logger = logging.getLogger("compiled_llm.kernels")
 
 _SOURCE = Path(__file__).with_name("csrc") / "cpu_attention.cpp"
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast"]
+# -fopenmp: at::parallel_for is an inline OpenMP template; without it the kernels run serially.
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"]
 
 
 def build_dir() -> Path:
@@ -42,6 +43,7 @@ def cpu_kernels_available() -> bool:
             name="compiled_llm_cpu_attention",
             sources=[str(_SOURCE)],
             extra_cflags=_FLAGS,
+            extra_ldflags=["-fopenmp"],
             build_directory=str(folder),
             is_python_module=False,
             verbose=False,

@@ -58,10 +58,24 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_precompile_args(parser: argparse.ArgumentParser) -> None:
+    from compiled_llm.entrypoints.precompile import add_precompile_args
+
+    add_precompile_args(parser)
+
+
+def _run_precompile(args: argparse.Namespace) -> int:
+    from compiled_llm.entrypoints.precompile import run_precompile
+
+    return run_precompile(args)
+
+
 SUBCOMMANDS: dict[str, Subcommand] = {
     "serve": Subcommand("Serve a model over an OpenAI-compatible HTTP API.", _add_serve_args, _run_serve),
     "generate": Subcommand("Print a completion of one prompt (offline, no server).", _add_generate_args,
                            _run_generate),
+    "precompile": Subcommand("Fill the compile cache for a model and settings (for CI and image builds).",
+                             _add_precompile_args, _run_precompile),
 }
 
 
@@ -78,10 +92,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from compiled_llm.compilation.compile_cache import CompileCacheMissError
+
     try:
         return args.run(args)
     except KeyboardInterrupt:
         return 130
+    except (CompileCacheMissError, ValueError, FileNotFoundError) as e:
+        # A user's mistake or a strict-mode cache miss: one clear line, no traceback.
+        print(f"compiled-llm {args.command}: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

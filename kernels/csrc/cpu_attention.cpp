@@ -107,6 +107,142 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
   });
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// Sums of four vectors, as one 4-float vector: {sum(a), sum(b), sum(c), sum(d)}.
+inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);
+  __m256 abcd = _mm256_hadd_ps(ab, cd);
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+#endif
+
+// Decode attention for one request over KV heads [h0, h1): `group` query heads per KV head.
+// The cache is walked block by block (each block's rows hold every KV head, contiguously), so
+// memory is read sequentially once per phase. Scores take four positions at a time
+// (independent accumulators, one batched reduction); values are summed per block into
+// per-head accumulators.
+template <int D>
+void decode_request(const float* q_req, float* out_req, const float* kc, const float* vc, const int32_t* table,
+                    int64_t len, int64_t h0, int64_t h1, int64_t group, int64_t block_size, int64_t block_stride,
+                    int64_t token_stride, float scale, std::vector<float>& scores) {
+  const int64_t rows = (h1 - h0) * group;  // query heads handled here
+  scores.resize(static_cast<size_t>(rows * len));
+  const int64_t num_blocks = (len + block_size - 1) / block_size;
+  // Blocks sit anywhere in the pool and hardware prefetchers stop at page boundaries: fetch the
+  // next block's rows (this request's heads only) while working on the current one.
+  auto prefetch_block = [&](const float* cache, int64_t b) {
+    if (b >= num_blocks) return;
+    const char* base = reinterpret_cast<const char*>(cache + table[b] * block_stride + h0 * D);
+    const int64_t bytes = (h1 - h0) * D * static_cast<int64_t>(sizeof(float));
+    const int64_t n = std::min(block_size, len - b * block_size);
+    for (int64_t i = 0; i < n; i++)
+      for (int64_t off = 0; off < bytes; off += 64)
+        __builtin_prefetch(base + i * token_stride * static_cast<int64_t>(sizeof(float)) + off);
+  };
+  prefetch_block(kc, 0);
+  // Scores.
+  for (int64_t b = 0; b < num_blocks; b++) {
+    const float* kb = kc + table[b] * block_stride;
+    const int64_t first = b * block_size, n = std::min(block_size, len - first);
+    prefetch_block(kc, b + 1);
+    for (int64_t h = h0; h < h1; h++) {
+      for (int64_t g = 0; g < group; g++) {
+        const int64_t row = (h - h0) * group + g;
+        const float* q = q_req + (h * group + g) * D;
+        float* s = scores.data() + row * len + first;
+        int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        __m256 qv[D / 8];
+        for (int j = 0; j < D / 8; j++) qv[j] = _mm256_loadu_ps(q + 8 * j);
+        for (; i + 4 <= n; i += 4) {
+          const float* k0 = kb + i * token_stride + h * D;
+          const float *k1 = k0 + token_stride, *k2 = k1 + token_stride, *k3 = k2 + token_stride;
+          __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+          for (int j = 0; j < D / 8; j++) {
+            a0 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k0 + 8 * j), a0);
+            a1 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k1 + 8 * j), a1);
+            a2 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k2 + 8 * j), a2);
+            a3 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k3 + 8 * j), a3);
+          }
+          _mm_storeu_ps(s + i, _mm_mul_ps(hsum4(a0, a1, a2, a3), _mm_set1_ps(scale)));
+        }
+#endif
+        for (; i < n; i++) s[i] = dot(q, kb + i * token_stride + h * D, D) * scale;
+      }
+    }
+  }
+  // Softmax per query head (normalised at the end).
+  float denom[256];
+  for (int64_t row = 0; row < rows; row++) {
+    float* s = scores.data() + row * len;
+    float row_max = -INFINITY;
+    for (int64_t p = 0; p < len; p++) row_max = std::max(row_max, s[p]);
+    for (int64_t p = 0; p < len; p++) s[p] -= row_max;
+    exp_inplace(s, len);
+    float sum = 0.f;
+    for (int64_t p = 0; p < len; p++) sum += s[p];
+    denom[row] = sum;
+  }
+  // Weighted values, accumulated into the output rows block by block.
+  for (int64_t row = 0; row < rows; row++) std::fill(out_req + (h0 * group + row) * D, out_req + (h0 * group + row + 1) * D, 0.f);
+  prefetch_block(vc, 0);
+  for (int64_t b = 0; b < num_blocks; b++) {
+    const float* vb = vc + table[b] * block_stride;
+    const int64_t first = b * block_size, n = std::min(block_size, len - first);
+    prefetch_block(vc, b + 1);
+    for (int64_t h = h0; h < h1; h++) {
+      for (int64_t g = 0; g < group; g++) {
+        const int64_t row = (h - h0) * group + g;
+        const float* w = scores.data() + row * len + first;
+        float* out = out_req + (h * group + g) * D;
+#if defined(__AVX2__) && defined(__FMA__)
+        __m256 acc[D / 8];
+        for (int j = 0; j < D / 8; j++) acc[j] = _mm256_loadu_ps(out + 8 * j);
+        for (int64_t i = 0; i < n; i++) {
+          const float* v = vb + i * token_stride + h * D;
+          const __m256 wi = _mm256_set1_ps(w[i]);
+          for (int j = 0; j < D / 8; j++) acc[j] = _mm256_fmadd_ps(wi, _mm256_loadu_ps(v + 8 * j), acc[j]);
+        }
+        for (int j = 0; j < D / 8; j++) _mm256_storeu_ps(out + 8 * j, acc[j]);
+#else
+        for (int64_t i = 0; i < n; i++) axpy(out, w[i], vb + i * token_stride + h * D, D);
+#endif
+      }
+    }
+  }
+  for (int64_t row = 0; row < rows; row++) {
+    float* out = out_req + (h0 * group + row) * D;
+    const float inv = 1.f / denom[row];
+    for (int64_t d = 0; d < D; d++) out[d] *= inv;
+  }
+}
+
+// Any head_dim (the slow path): scalar-friendly loops.
+void decode_one_any(const float* q_rows, float* out_rows, const float* kc, const float* vc, const int32_t* table,
+                    int64_t len, int64_t group, int64_t head_dim, int64_t block_size, int64_t block_stride,
+                    int64_t token_stride, float scale, std::vector<float>& scores) {
+  scores.resize(static_cast<size_t>(len));
+  for (int64_t g = 0; g < group; g++) {
+    const float* q = q_rows + g * head_dim;
+    float* out = out_rows + g * head_dim;
+    float row_max = -INFINITY;
+    for (int64_t p = 0; p < len; p++) {
+      const float* k = kc + table[p / block_size] * block_stride + (p % block_size) * token_stride;
+      scores[p] = dot(q, k, head_dim) * scale;
+      row_max = std::max(row_max, scores[p]);
+    }
+    for (int64_t p = 0; p < len; p++) scores[p] -= row_max;
+    exp_inplace(scores.data(), len);
+    float denom = 0.f;
+    std::fill(out, out + head_dim, 0.f);
+    for (int64_t p = 0; p < len; p++) {
+      denom += scores[p];
+      axpy(out, scores[p], vc + table[p / block_size] * block_stride + (p % block_size) * token_stride, head_dim);
+    }
+    for (int64_t d = 0; d < head_dim; d++) out[d] /= denom;
+  }
+}
+
 void paged_decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_tables,
                             const at::Tensor& seq_lens, double scale) {
@@ -128,51 +264,49 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& query, const at::
   const int64_t qs = query.stride(0), os = out.stride(0), ts = block_tables.stride(0);
   const int64_t block_stride = block_size * num_kv_heads * head_dim, token_stride = num_kv_heads * head_dim;
   const float fscale = static_cast<float>(scale);
-  TORCH_CHECK(group <= 64, "at most 64 query heads per KV head");
+  TORCH_CHECK((block_size & (block_size - 1)) == 0, "block_size must be a power of two");
 
-  // Small batches run on the calling thread: waking the pool costs more than the work.
+  TORCH_CHECK(num_heads <= 256, "at most 256 query heads");
+
+  // Work items: whole requests when there are enough of them to keep the threads busy (each
+  // request's cache blocks are then read once, sequentially); otherwise (request, KV head).
+  const bool split_heads = num_reqs < 2 * at::get_num_threads();
+  const int64_t per_req = split_heads ? num_kv_heads : 1;
+  const int64_t work_items = num_reqs * per_req;
   int64_t total_positions = 0;
   for (int64_t r = 0; r < num_reqs; r++) total_positions += std::max<int32_t>(lens[r], 0);
-  const int64_t work_items = num_reqs * num_kv_heads;
-  const int64_t cost_per_item = std::max<int64_t>(1, total_positions * group * head_dim / std::max<int64_t>(num_reqs, 1));
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / cost_per_item);
+  // Small batches run on the calling thread: waking the pool costs more than the work.
+  const int64_t cost_per_item = std::max<int64_t>(1, total_positions * num_heads * head_dim / std::max<int64_t>(work_items, 1));
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / cost_per_item);
 
   at::parallel_for(0, work_items, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    float row_max[64], denom[64];
     for (int64_t work = begin; work < end; work++) {
-      const int64_t r = work / num_kv_heads, h = work % num_kv_heads;
+      const int64_t r = work / per_req;
+      const int64_t h0 = split_heads ? work % per_req : 0, h1 = split_heads ? h0 + 1 : num_kv_heads;
       const int64_t len = lens[r];
-      float* out_rows = o + r * os + h * group * head_dim;
-      std::fill(out_rows, out_rows + group * head_dim, 0.f);
-      if (len <= 0) continue;  // a padded request
-      const float* q_rows = q + r * qs + h * group * head_dim;
-      scores.resize(static_cast<size_t>(group * len));
-      std::fill(row_max, row_max + group, -INFINITY);
-      for (int64_t pos = 0; pos < len; pos++) {
-        const int64_t block = tables[r * ts + pos / block_size];
-        const float* k = kc + block * block_stride + (pos % block_size) * token_stride + h * head_dim;
-        for (int64_t g = 0; g < group; g++) {
-          const float s = dot(q_rows + g * head_dim, k, head_dim) * fscale;
-          scores[g * len + pos] = s;
-          row_max[g] = std::max(row_max[g], s);
-        }
+      const float* q_req = q + r * qs;
+      float* out_req = o + r * os;
+      if (len <= 0) {  // a padded request
+        std::fill(out_req + h0 * group * head_dim, out_req + h1 * group * head_dim, 0.f);
+        continue;
       }
-      std::fill(denom, denom + group, 0.f);
-      for (int64_t g = 0; g < group; g++) {
-        float* s = scores.data() + g * len;
-        for (int64_t pos = 0; pos < len; pos++) s[pos] -= row_max[g];
-        exp_inplace(s, len);
-        for (int64_t pos = 0; pos < len; pos++) denom[g] += s[pos];
-      }
-      for (int64_t pos = 0; pos < len; pos++) {
-        const int64_t block = tables[r * ts + pos / block_size];
-        const float* v = vc + block * block_stride + (pos % block_size) * token_stride + h * head_dim;
-        for (int64_t g = 0; g < group; g++) axpy(out_rows + g * head_dim, scores[g * len + pos], v, head_dim);
-      }
-      for (int64_t g = 0; g < group; g++) {
-        const float inv = 1.f / denom[g];
-        for (int64_t d = 0; d < head_dim; d++) out_rows[g * head_dim + d] *= inv;
+      const int32_t* table = tables + r * ts;
+      switch (head_dim) {
+        case 64:
+          decode_request<64>(q_req, out_req, kc, vc, table, len, h0, h1, group, block_size, block_stride, token_stride, fscale, scores);
+          break;
+        case 128:
+          decode_request<128>(q_req, out_req, kc, vc, table, len, h0, h1, group, block_size, block_stride, token_stride, fscale, scores);
+          break;
+        case 32:
+          decode_request<32>(q_req, out_req, kc, vc, table, len, h0, h1, group, block_size, block_stride, token_stride, fscale, scores);
+          break;
+        default:
+          for (int64_t h = h0; h < h1; h++) {
+            decode_one_any(q_req + h * group * head_dim, out_req + h * group * head_dim, kc + h * head_dim, vc + h * head_dim,
+                           table, len, group, head_dim, block_size, block_stride, token_stride, fscale, scores);
+          }
       }
     }
   });
