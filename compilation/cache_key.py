@@ -84,6 +84,9 @@ def compute_factors(
     max_num_batched_tokens: int,
     source_files: list[Path],
 ) -> dict[str, Any]:
+    from compiled_llm.compilation import inductor_settings
+
+    inductor_settings.apply()  # before hashing Inductor's configuration
     model = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
     for volatile in ("_name_or_path", "transformers_version", "_commit_hash"):
         model.pop(volatile, None)

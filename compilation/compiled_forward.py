@@ -1,62 +1,74 @@
-"""A model forward traced once by Dynamo with our backend, then served without guards.
+"""A model forward compiled piecewise and then called directly, without Dynamo per call.
 
-The token dimension of every tensor argument is marked dynamic; all guards are dropped after
-the one trace (`guard_filter_fn`), so no guard is evaluated per call and nothing recompiles
-while serving. The first call (a dummy batch at start-up) traces, compiles or loads everything.
+A warm start (the cache entry holds the traced graph and every artifact) rebuilds the split
+graph from disk and never runs Dynamo. A cold start traces once with Dynamo (the token
+dimension of every input marked dynamic), compiles or loads every piece, and saves the graph.
+Either way later calls go straight to the split graph: no guards, no recompiles.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from compiled_llm.compilation.backend import CompilerBackend, CompileReport
 from compiled_llm.compilation.compile_cache import CompileCache, CompileCacheMissError
 from compiled_llm.compilation.config import CompilationConfig
-
-
-def _drop_all_guards(guards: list[Any]) -> list[bool]:
-    return [False] * len(guards)
+from compiled_llm.compilation.traced_graph import DirectCall
 
 
 class CompiledForward:
     def __init__(
         self,
-        forward: Callable[..., Any],
+        model: torch.nn.Module,
         config: CompilationConfig,
         cache: CompileCache,
         max_num_batched_tokens: int,
         progress: bool = True,
     ) -> None:
-        self.backend = CompilerBackend(config, cache, max_num_batched_tokens, progress)
-        self.compiled = torch.compile(
-            forward, fullgraph=True, dynamic=False, backend=self.backend, options={"guard_filter_fn": _drop_all_guards}
-        )
-        self.seconds: float | None = None  # trace + compile-or-load, from the first call
+        from compiled_llm.compilation import inductor_settings
+
+        inductor_settings.apply()
+        self.model = model
+        self.backend = CompilerBackend(config, cache, max_num_batched_tokens, model, progress)
+        self.call: DirectCall | None = None
+        self.seconds: float | None = None  # loading (warm) or tracing + compiling (cold)
 
     @property
     def report(self) -> CompileReport:
         return self.backend.report
 
     def trace(self, *example_args: torch.Tensor) -> Any:
-        """Trace with `example_args` (token dimension > 1) and compile or load every piece."""
+        """Load or trace and compile everything, then run `example_args` (token dimension > 1)."""
         for arg in example_args:
             if isinstance(arg, torch.Tensor) and arg.dim() and arg.shape[0] < 2:
                 raise ValueError("trace with at least 2 tokens: Dynamo specializes sizes 0 and 1")
-            torch._dynamo.mark_dynamic(arg, 0)
         started = time.perf_counter()
+        saved = self.backend.load_saved()
+        if saved is None:
+            self._trace_with_dynamo(example_args)
+            saved = self.backend.traced
+        self.call = DirectCall(self.backend.split, saved.bindings, self.model)
+        self.seconds = time.perf_counter() - started
+        return self.call(*example_args)
+
+    def _trace_with_dynamo(self, example_args: tuple[torch.Tensor, ...]) -> None:
+        for arg in example_args:
+            torch._dynamo.mark_dynamic(arg, 0)
+        self.backend.inputs = example_args
+        compiled = torch.compile(self.model.forward, fullgraph=True, dynamic=False, backend=self.backend)
         try:
-            out = self.compiled(*example_args)
+            compiled(*example_args)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             # Surface our own errors (a strict-mode cache miss) as they are, not wrapped by Dynamo.
             inner = getattr(e, "inner_exception", None)
             if isinstance(inner, CompileCacheMissError):
                 raise inner from None
             raise
-        self.seconds = time.perf_counter() - started
-        return out
+        finally:
+            self.backend.inputs = ()
 
     def __call__(self, *args: Any) -> Any:
-        return self.compiled(*args)
+        return self.call(*args)

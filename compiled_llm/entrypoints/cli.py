@@ -20,9 +20,17 @@ class Subcommand:
 
 
 def _add_serve_args(parser: argparse.ArgumentParser) -> None:
-    from compiled_llm.entrypoints.openai.api_server import add_serve_args
+    # Defined here, not in api_server: building the parser must not import the server stack.
+    from compiled_llm.engine.arg_utils import EngineArgs
 
-    add_serve_args(parser)
+    EngineArgs.add_cli_args(parser)
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="Address to bind (default: 127.0.0.1, this machine only).")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None, help="Require `Authorization: Bearer KEY` on /v1 and tokenizer routes.")
+    g.add_argument("--engine-timeout", type=float, default=120.0,
+                   help="Seconds without any engine output, while requests are open, after which the engine "
+                        "counts as hung and the server exits (default: 120).")
 
 
 def _run_serve(args: argparse.Namespace) -> int:

@@ -277,17 +277,17 @@ class ModelRunner:
         from compiled_llm.compilation.compiled_forward import CompiledForward
 
         cache = make_compile_cache(self.config, self.model)
-        self.compiled_forward = CompiledForward(self.model.forward, cc, cache, self.max_num_tokens)
+        self.compiled_forward = CompiledForward(self.model, cc, cache, self.max_num_tokens)
         num_tokens = min(self.max_num_tokens, 16)
         with torch.inference_mode(), set_forward_context(self.dummy_metadata(num_tokens)):
             self.compiled_forward.trace(self.input_ids.gpu[:num_tokens], self.positions.gpu[:num_tokens])
         self.model_forward = self.compiled_forward
         r = self.compiled_forward.report
-        verb = "loaded" if r.artifacts_loaded and not r.inductor_compilations else "compiled"
+        how = "traced with Dynamo and " + ("compiled" if r.inductor_compilations else "loaded") if r.traced else "loaded the saved graph"
         logger.info(
-            "Compilation (-O%d): traced and %s in %.2f s; %d pieces (%d unique); %d artifacts loaded, "
+            "Compilation (-O%d): %s in %.2f s; %d pieces (%d unique); %d artifacts loaded, "
             "%d Inductor compilations; cache %s",
-            cc.level, verb, self.compiled_forward.seconds, r.pieces, r.unique_pieces, r.artifacts_loaded,
+            cc.level, how, self.compiled_forward.seconds, r.pieces, r.unique_pieces, r.artifacts_loaded,
             r.inductor_compilations, r.cache_dir,
         )
 

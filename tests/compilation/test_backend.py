@@ -116,6 +116,7 @@ def test_second_start_loads_with_zero_inductor_runs(tmp_path):
     assert cold["num_inductor_compilations"] == 6 and cold["num_artifacts_saved"] == 6
     warm, _ = run_fresh(tmp_path, sizes=[4], strict=True)
     assert warm["num_inductor_compilations"] == 0
+    assert warm["num_graphs_traced"] == 0  # the saved graph is loaded: no Dynamo at all
     assert warm["num_artifacts_loaded"] == 6
     assert warm["max_error"] < 1e-5  # loaded artifacts (incl. single-output last piece) equal eager
     assert warm["cache_entry"] == cold["cache_entry"]

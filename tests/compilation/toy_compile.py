@@ -39,7 +39,7 @@ def compile_toy(cache_dir: str, ranges=None, sizes=(), strict: bool = False):
     config = toy_config(cache_dir, ranges, sizes, strict)
     factors = toy_factors(config, model)
     cache = CompileCache(cache_dir, cache_key(factors), factors)
-    compiled = CompiledForward(model.forward, config, cache, MAX_TOKENS, progress=False)
+    compiled = CompiledForward(model, config, cache, MAX_TOKENS, progress=False)
     with torch.inference_mode():
         compiled.trace(*inputs(8))
     return model, compiled, dict(vars(counters))

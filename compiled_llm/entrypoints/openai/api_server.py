@@ -177,18 +177,6 @@ async def serve_http(engine: AsyncLLM, host: str, port: int, api_key: str | None
         announce.cancel()
 
 
-def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    EngineArgs.add_cli_args(parser)
-    g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="Address to bind (default: 127.0.0.1, this machine only).")
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=None, help="Require `Authorization: Bearer KEY` on /v1 and tokenizer routes.")
-    g.add_argument("--engine-timeout", type=float, default=120.0,
-                   help="Seconds without any engine output, while requests are open, after which the engine "
-                        "counts as hung and the server exits (default: 120).")
-    return parser
-
-
 def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
