@@ -100,3 +100,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def warm_compile_cache(real_model_path) -> dict:
+    """Runs `compiled-llm precompile` for the bundled model with default settings, as CI does
+    before the tests (then it only loads): starts with those settings are warm afterwards."""
+    import json
+    import subprocess
+
+    out = subprocess.run(["compiled-llm", "precompile", "--json"], capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])

@@ -21,13 +21,16 @@ import pytest
 from remote_server import RemoteServer
 
 ENGINE_FLAGS = ["-O0", "--max-model-len", "1024", "--kv-cache-memory-bytes", str(256 << 20), "--max-num-seqs", "32"]
+# The real model is served compiled, from the compile cache `compiled-llm precompile` filled:
+# the start must be warm.
+REAL_FLAGS = ["-O1", "--require-cache-hit", *ENGINE_FLAGS[1:]]
 TIMEOUT = 60
 API_KEY = "test-key"
 
 
 @pytest.fixture(scope="module")
-def real_server(real_model_path):
-    server = RemoteServer([real_model_path, *ENGINE_FLAGS, "--served-model-name", "smol"])
+def real_server(real_model_path, warm_compile_cache):
+    server = RemoteServer([real_model_path, *REAL_FLAGS, "--served-model-name", "smol"])
     yield server
     server.stop()
 
