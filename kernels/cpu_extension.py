@@ -1,4 +1,5 @@
-"""Builds and loads the C++ CPU attention kernels (kernels/csrc/cpu_attention.cpp) once per machine.
+"""Builds and loads the C++ CPU kernels (kernels/csrc: paged attention, decode-sized linear) once
+per machine.
 
 The build (about 20 s) lands under the user cache dir, keyed by the source and torch version,
 and is shared by every later process. Without a working compiler the engine falls back to the
@@ -17,7 +18,9 @@ import torch
 
 logger = logging.getLogger("compiled_llm.kernels")
 
-_SOURCE = Path(__file__).with_name("csrc") / "cpu_attention.cpp"
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = [_CSRC / "cpu_attention.cpp", _CSRC / "cpu_linear.cpp"]
+_HEADERS = [_CSRC / "simd.h"]
 # -fopenmp: at::parallel_for is an inline OpenMP template; without it the kernels run serially.
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"]
 
@@ -25,8 +28,18 @@ _FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"]
 def build_dir() -> Path:
     from compiled_llm.utils import user_cache_dir
 
-    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode() + torch.__version__.encode()).hexdigest()[:16]
-    return user_cache_dir() / "torch_extensions" / f"cpu_attention-{digest}"
+    h = hashlib.sha256(" ".join(_FLAGS).encode() + torch.__version__.encode())
+    for path in _SOURCES + _HEADERS:
+        h.update(path.read_bytes())
+    return user_cache_dir() / "torch_extensions" / f"cpu_kernels-{h.hexdigest()[:16]}"
+
+
+def _register_fakes() -> None:
+    """Shapes of the ops that return tensors, for tracing (Dynamo and Inductor use fake tensors)."""
+
+    @torch.library.register_fake("compiled_llm_cpu::linear")
+    def _linear_fake(x, weight, bias):
+        return x.new_empty(x.shape[0], weight.shape[0])
 
 
 @lru_cache(maxsize=1)
@@ -40,15 +53,17 @@ def cpu_kernels_available() -> bool:
         folder = build_dir()
         folder.mkdir(parents=True, exist_ok=True)
         load(
-            name="compiled_llm_cpu_attention",
-            sources=[str(_SOURCE)],
+            name="compiled_llm_cpu_kernels",
+            sources=[str(p) for p in _SOURCES],
+            extra_include_paths=[str(_CSRC)],
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
             build_directory=str(folder),
             is_python_module=False,
             verbose=False,
         )
+        _register_fakes()
         return hasattr(torch.ops.compiled_llm_cpu, "paged_decode_attention")
     except Exception as e:  # no compiler, no headers, an unsupported platform
-        logger.warning("C++ CPU attention kernels unavailable (%s); using the torch implementation.", e)
+        logger.warning("C++ CPU kernels unavailable (%s); using the torch implementation.", e)
         return False

@@ -10,14 +10,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from compiled_llm.config import rope_parameters
 from compiled_llm.models.layers.activation import SiluAndMul
 from compiled_llm.models.layers.attention import Attention
 from compiled_llm.models.layers.layernorm import RMSNorm
-from compiled_llm.models.layers.linear import Linear, MergedLinear, QKVLinear
+from compiled_llm.models.layers.linear import Linear, MergedLinear, QKVLinear, linear
 from compiled_llm.models.layers.rotary import RotaryEmbedding
 
 
@@ -116,6 +115,7 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias = self.qkv_bias or bool(getattr(config, "attention_bias", False))
         self.model = DecoderModel(config, qkv_bias, self.qk_norm)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.cpu_kernel = False  # set by the model runner when the C++ CPU kernels are built
         if self.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -130,7 +130,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head_weight)
+        return linear(hidden, self.lm_head_weight, None, self.cpu_kernel)
 
     # Checkpoint name fragments that load into one shard of a fused parameter.
     stacked_params = (

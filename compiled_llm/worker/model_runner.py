@@ -48,15 +48,19 @@ class ModelRunner:
         self.vocab_size = mc.vocab_size
         if self.device.type == "cpu" and config.num_threads:
             torch.set_num_threads(config.num_threads)
-        if self.device.type == "cpu":
+        use_cpu_kernels = False
+        if self.device.type == "cpu" and mc.dtype == torch.float32:
             from compiled_llm.kernels.cpu_extension import cpu_kernels_available
 
-            cpu_kernels_available()  # build (once per machine) now rather than in the first step
+            use_cpu_kernels = cpu_kernels_available()  # builds them once per machine, now rather than mid-step
         torch.manual_seed(mc.seed)
 
         start = time.perf_counter()
         self.model = build_model(mc, self.device, load_format)
         self.load_seconds = time.perf_counter() - start
+        for module in self.model.modules():
+            if hasattr(module, "cpu_kernel"):
+                module.cpu_kernel = use_cpu_kernels
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.model_forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self.model.forward
 
