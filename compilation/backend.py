@@ -21,7 +21,8 @@ from tqdm.auto import tqdm
 
 from compiled_llm.compilation import traced_graph
 from compiled_llm.compilation.compile_cache import CompileCache, CompileCacheMissError
-from compiled_llm.compilation.config import CompilationConfig
+from compiled_llm.compilation.config import CompilationConfig, CUDAGraphMode
+from compiled_llm.compilation.cuda_graph import CUDAGraphWrapper
 from compiled_llm.compilation.counters import counters
 from compiled_llm.compilation.inductor_adaptor import CompiledPiece, InductorAdaptor, graph_returns_tuple
 from compiled_llm.compilation.partition import split_graph, structural_hash
@@ -172,11 +173,14 @@ class CompilerBackend:
 
     # ---- shared ---------------------------------------------------------------------------------
     def _install(self, split: fx.GraphModule, metas: list[PieceMeta], artifacts: dict[tuple[str, ShapeSpec], Any]) -> None:
+        piecewise = bool(self.config.cudagraph_mode and self.config.cudagraph_mode.has_piecewise_cudagraphs())
         for meta in metas:
             runnables = {spec: CompiledPiece(artifacts[meta.piece_hash, spec], meta.returns_tuple) for spec in self.specs}
             backend = PiecewiseBackend(meta.name, (meta.token_index, meta.token_is_int), runnables)
             del split._modules[meta.name]
-            setattr(split, meta.name, backend)
+            # Under piecewise CUDA graphs each compiled piece is captured and replayed by itself.
+            runnable = CUDAGraphWrapper(backend, CUDAGraphMode.PIECEWISE, name=meta.name) if piecewise else backend
+            setattr(split, meta.name, runnable)
             self.piece_backends.append(backend)
         self.split = split
         counters.num_pieces += len(metas)

@@ -100,6 +100,9 @@ def paged_attention(
     for i in range(num_decodes, metadata.num_reqs):
         start, end = int(starts[i]), int(starts[i + 1])
         query_len, seq_len = end - start, int(seq_lens[i])
+        if query_len == 0:
+            continue  # a padded request (CUDA-graph padding): no tokens
+
         context_len = seq_len - query_len
         if context_len == 0:
             k, v = key[start:end], value[start:end]
@@ -117,4 +120,6 @@ def paged_attention(
             mask = torch.arange(seq_len, device=query.device)[None, :] <= rows
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
         output[start:end] = out[0].transpose(0, 1)
+    if metadata.num_actual_tokens < num_tokens:
+        output[metadata.num_actual_tokens :].zero_()  # padded tokens: defined, never NaN
     return output

@@ -17,6 +17,8 @@ import numpy as np
 import psutil
 import torch
 
+from compiled_llm.compilation.config import CUDAGraphMode
+from compiled_llm.compilation.cudagraph_dispatcher import CudagraphDispatcher
 from compiled_llm.compilation.forward_context import set_forward_context
 from compiled_llm.config import EngineConfig
 from compiled_llm.engine.messages import LogprobsLists
@@ -75,6 +77,7 @@ class ModelRunner:
         self._arange = np.arange(max(self.max_num_tokens, self.max_num_reqs) + 1, dtype=np.int64)
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
+        self.dispatcher: CudagraphDispatcher | None = None  # set when CUDA graphs are captured
 
     # ---- KV cache -------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -142,9 +145,47 @@ class ModelRunner:
         req_ids = sorted(out.num_scheduled_tokens, key=lambda r: out.num_scheduled_tokens[r] != 1)
         rows = np.fromiter((batch.row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
         num_sched = np.fromiter((out.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
-        num_reqs = len(req_ids)
-        num_decodes = int(np.count_nonzero(num_sched == 1)) if num_sched[0] == 1 else 0
+        total = int(num_sched.sum())
+        mode, descriptor = CUDAGraphMode.NONE, None
+        if self.dispatcher is not None:
+            uniform = bool((num_sched == 1).all())
+            mode, descriptor = self.dispatcher.dispatch(total, uniform)
+        padded_tokens = descriptor.num_tokens if descriptor is not None else total
+        padded_reqs = descriptor.num_reqs if descriptor is not None and descriptor.num_reqs else len(req_ids)
+        metadata, seq_lens = self.prepare_inputs(rows, num_sched, padded_tokens, padded_reqs)
+        with set_forward_context(metadata, mode, descriptor):
+            hidden = self.model_forward(self.input_ids.gpu[:padded_tokens], self.positions.gpu[:padded_tokens])
 
+        # Only requests whose every known token is now computed sample a token.
+        num_reqs = len(req_ids)
+        samples = seq_lens == batch.num_tokens[rows]
+        sample_idx = np.flatnonzero(samples)
+        sampled_lists: list[list[int]] = [[] for _ in range(num_reqs)]
+        logprobs: dict[str, LogprobsLists] = {}
+        if len(sample_idx):
+            logits_indices = torch.from_numpy(metadata.query_start_loc_cpu[1:][sample_idx] - 1).to(self.device)
+            logits = self.model.compute_logits(hidden[logits_indices])
+            sample_rows = rows[sample_idx]
+            result = self.sampler(logits, self.sampling_metadata(sample_rows))
+            tokens = result.sampled.tolist()
+            for i, token in zip(sample_idx.tolist(), tokens):
+                batch.append_token(int(rows[i]), token)
+                sampled_lists[i] = [token]
+            if result.logprobs is not None:
+                logprobs = self._logprobs_lists(result, [req_ids[i] for i in sample_idx], sample_rows)
+        return ModelRunnerOutput(req_ids, sampled_lists, logprobs)
+
+    def prepare_inputs(
+        self, rows: np.ndarray, num_sched: np.ndarray, padded_tokens: int, padded_reqs: int
+    ) -> tuple[AttentionMetadata, np.ndarray]:
+        """Fill the persistent buffers with the flat batch of `rows` (decodes first), padded to
+        `padded_tokens` tokens and `padded_reqs` requests for a CUDA graph: padded tokens have
+        slot -1 (no KV write), padded requests the null block, length 0 and the last offset.
+        Returns the metadata (views of the buffers, sized to the padded batch) and the requests'
+        sequence lengths."""
+        batch = self.batch
+        num_reqs = len(rows)
+        num_decodes = int(np.count_nonzero(num_sched == 1)) if num_sched[0] == 1 else 0
         cu = np.cumsum(num_sched)
         total = int(cu[-1])
         computed = batch.num_computed_tokens[rows]
@@ -160,42 +201,30 @@ class ModelRunner:
         seq_lens = computed + num_sched
         self.seq_lens.np[:num_reqs] = seq_lens
         self.block_tables.np[:num_reqs] = batch.block_table[rows]
-
+        if padded_tokens > total:
+            self.input_ids.np[total:padded_tokens] = 0
+            self.positions.np[total:padded_tokens] = 0
+            self.slot_mapping.np[total:padded_tokens] = -1
+        if padded_reqs > num_reqs:
+            self.query_start_loc.np[num_reqs + 1 : padded_reqs + 1] = total
+            self.seq_lens.np[num_reqs:padded_reqs] = 0
+            self.block_tables.np[num_reqs:padded_reqs] = 0
+        self.input_ids.copy_to_device(padded_tokens)
+        self.positions.copy_to_device(padded_tokens)
         metadata = AttentionMetadata(
             num_actual_tokens=total,
-            num_reqs=num_reqs,
+            num_reqs=padded_reqs,
             num_decodes=num_decodes,
             max_query_len=int(num_sched.max()),
             max_seq_len=int(seq_lens.max()),
-            query_start_loc=self.query_start_loc.copy_to_device(num_reqs + 1),
-            seq_lens=self.seq_lens.copy_to_device(num_reqs),
-            block_tables=self.block_tables.copy_to_device(num_reqs),
-            slot_mapping=self.slot_mapping.copy_to_device(total),
-            query_start_loc_cpu=self.query_start_loc.np[: num_reqs + 1],
-            seq_lens_cpu=self.seq_lens.np[:num_reqs],
+            query_start_loc=self.query_start_loc.copy_to_device(padded_reqs + 1),
+            seq_lens=self.seq_lens.copy_to_device(padded_reqs),
+            block_tables=self.block_tables.copy_to_device(padded_reqs),
+            slot_mapping=self.slot_mapping.copy_to_device(padded_tokens),
+            query_start_loc_cpu=self.query_start_loc.np[: padded_reqs + 1],
+            seq_lens_cpu=self.seq_lens.np[:padded_reqs],
         )
-        input_ids = self.input_ids.copy_to_device(total)
-        positions_t = self.positions.copy_to_device(total)
-        with set_forward_context(metadata):
-            hidden = self.model_forward(input_ids, positions_t)
-
-        # Only requests whose every known token is now computed sample a token.
-        samples = seq_lens == batch.num_tokens[rows]
-        sample_idx = np.flatnonzero(samples)
-        sampled_lists: list[list[int]] = [[] for _ in range(num_reqs)]
-        logprobs: dict[str, LogprobsLists] = {}
-        if len(sample_idx):
-            logits_indices = torch.from_numpy(cu[sample_idx] - 1).to(self.device)
-            logits = self.model.compute_logits(hidden[logits_indices])
-            sample_rows = rows[sample_idx]
-            result = self.sampler(logits, self.sampling_metadata(sample_rows))
-            tokens = result.sampled.tolist()
-            for i, token in zip(sample_idx.tolist(), tokens):
-                batch.append_token(int(rows[i]), token)
-                sampled_lists[i] = [token]
-            if result.logprobs is not None:
-                logprobs = self._logprobs_lists(result, [req_ids[i] for i in sample_idx], sample_rows)
-        return ModelRunnerOutput(req_ids, sampled_lists, logprobs)
+        return metadata, seq_lens
 
     # ---- sampling inputs ----------------------------------------------------------------------
     def sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
@@ -272,10 +301,16 @@ class ModelRunner:
 
     # ---- start-up ----------------------------------------------------------------------------
     def compile_or_warm_up(self) -> None:
-        """At -O1 and above: trace the model once and compile (or load) every piece now."""
+        """At -O1 and above: compile (or load) every piece now; at -O2 on a GPU also capture the
+        CUDA graphs. Nothing is compiled or captured later, while serving."""
         cc = self.config.compilation_config
-        if not cc.level:
-            return
+        if cc.level:
+            self.compile()
+        if self.device.type == "cuda" and (cc.level or 0) >= 2 and cc.cudagraph_mode is not CUDAGraphMode.NONE:
+            self.capture_cudagraphs()
+
+    def compile(self) -> None:
+        cc = self.config.compilation_config
         if self.max_num_tokens < 2:
             raise ValueError("compilation needs max_num_batched_tokens >= 2")
         from compiled_llm.compilation.compiled_forward import CompiledForward
@@ -295,28 +330,57 @@ class ModelRunner:
             r.inductor_compilations, r.cache_dir,
         )
 
-    def dummy_metadata(self, num_tokens: int) -> AttentionMetadata:
-        """One request of `num_tokens` fresh tokens that writes nothing to the KV cache."""
+    def capture_cudagraphs(self) -> None:
+        """Capture every graph the dispatcher can pick, largest first, into one memory pool."""
+        from compiled_llm.compilation.counters import counters
+        from compiled_llm.compilation.cuda_graph import CUDAGraphWrapper, capture_phase
+
+        cc = self.config.compilation_config
+        sizes = [s for s in cc.cudagraph_capture_sizes or [] if s <= self.max_num_tokens]
+        self.dispatcher = CudagraphDispatcher(sizes, cc.cudagraph_mode, self.max_num_reqs)
+        if cc.cudagraph_mode.has_full_cudagraphs():
+            self.model_forward = CUDAGraphWrapper(self.model_forward, CUDAGraphMode.FULL, name="model")
+        started, captured = time.perf_counter(), counters.num_cudagraph_captured
+        free_before = torch.cuda.mem_get_info()[0]
+        with torch.inference_mode(), capture_phase():
+            for mode, descriptor in self.dispatcher.capture_descriptors():
+                metadata = self.dummy_metadata(descriptor.num_tokens, descriptor.num_reqs or 1)
+                with set_forward_context(metadata, mode, descriptor):
+                    self.model_forward(self.input_ids.gpu[: descriptor.num_tokens], self.positions.gpu[: descriptor.num_tokens])
+        torch.cuda.synchronize()
+        logger.info(
+            "CUDA graphs (%s): %d captured for %d sizes up to %d tokens in %.2f s, using %.2f GiB.",
+            cc.cudagraph_mode.name, counters.num_cudagraph_captured - captured, len(sizes), max(sizes, default=0),
+            time.perf_counter() - started, (free_before - torch.cuda.mem_get_info()[0]) / (1 << 30),
+        )
+
+    def dummy_metadata(self, num_tokens: int, num_reqs: int = 1) -> AttentionMetadata:
+        """`num_reqs` requests sharing `num_tokens` fresh tokens that write nothing to the KV cache
+        (slot -1, the null block): for tracing and for capturing graphs."""
+        per_req = num_tokens // num_reqs
+        query_lens = np.full(num_reqs, per_req, dtype=np.int64)
+        query_lens[-1] += num_tokens - per_req * num_reqs
+        starts = np.concatenate([[0], np.cumsum(query_lens)])
         self.input_ids.np[:num_tokens] = 0
-        self.positions.np[:num_tokens] = np.arange(num_tokens)
+        self.positions.np[:num_tokens] = np.concatenate([np.arange(n) for n in query_lens])
         self.slot_mapping.np[:num_tokens] = -1
-        self.query_start_loc.np[:2] = (0, num_tokens)
-        self.seq_lens.np[0] = num_tokens
-        self.block_tables.np[0] = 0
+        self.query_start_loc.np[: num_reqs + 1] = starts
+        self.seq_lens.np[:num_reqs] = query_lens
+        self.block_tables.np[:num_reqs] = 0
         self.input_ids.copy_to_device(num_tokens)
         self.positions.copy_to_device(num_tokens)
         return AttentionMetadata(
             num_actual_tokens=num_tokens,
-            num_reqs=1,
-            num_decodes=0,
-            max_query_len=num_tokens,
-            max_seq_len=num_tokens,
-            query_start_loc=self.query_start_loc.copy_to_device(2),
-            seq_lens=self.seq_lens.copy_to_device(1),
-            block_tables=self.block_tables.copy_to_device(1),
+            num_reqs=num_reqs,
+            num_decodes=num_reqs if per_req == 1 and num_tokens == num_reqs else 0,
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(query_lens.max()),
+            query_start_loc=self.query_start_loc.copy_to_device(num_reqs + 1),
+            seq_lens=self.seq_lens.copy_to_device(num_reqs),
+            block_tables=self.block_tables.copy_to_device(num_reqs),
             slot_mapping=self.slot_mapping.copy_to_device(num_tokens),
-            query_start_loc_cpu=self.query_start_loc.np[:2],
-            seq_lens_cpu=self.seq_lens.np[:1],
+            query_start_loc_cpu=self.query_start_loc.np[: num_reqs + 1],
+            seq_lens_cpu=self.seq_lens.np[:num_reqs],
         )
 
 

@@ -3,7 +3,9 @@
 The op is the seam the compiler splits the graph around: everything between two attention
 calls is compiled, the op itself runs eagerly. It takes only tensors and the softmax scale
 (no layer names): the layer's own KV cache is passed in as a tensor (a non-persistent buffer
-of the layer), and the step's metadata comes from the forward context.
+of the layer), and the step's metadata comes from the forward context. It writes into an
+`output` the layer allocates before the call, so under piecewise CUDA graphs the buffer is an
+output of the previous captured piece and keeps its address from replay to replay.
 """
 
 from __future__ import annotations
@@ -15,34 +17,37 @@ from compiled_llm.compilation.forward_context import get_forward_context
 
 _lib = torch.library.Library("compiled_llm", "FRAGMENT")
 _lib.define(
-    "attention(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_cache, float scale) -> Tensor"
+    "attention(Tensor query, Tensor key, Tensor value, Tensor(a!) output, Tensor(b!) kv_cache, float scale) -> ()"
 )
 
 
 def _attention_cpu(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, scale: float
-) -> torch.Tensor:
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor, kv_cache: torch.Tensor,
+    scale: float,
+) -> None:
     from compiled_llm.kernels.cpu_attention import paged_attention, write_kv_cache
 
     metadata = get_forward_context().attn_metadata
     write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
-    return paged_attention(query, key, value, kv_cache, metadata, scale)
+    paged_attention(query, key, value, kv_cache, metadata, scale, output=output)
 
 
 def _attention_cuda(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, scale: float
-) -> torch.Tensor:
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor, kv_cache: torch.Tensor,
+    scale: float,
+) -> None:
     from compiled_llm.kernels.triton_attention import unified_attention, write_kv_cache
 
     metadata = get_forward_context().attn_metadata
     write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
-    return unified_attention(query, kv_cache, metadata, scale)
+    unified_attention(query, kv_cache, metadata, scale, output=output)
 
 
 def _attention_fake(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, scale: float
-) -> torch.Tensor:
-    return torch.empty_like(query)
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor, kv_cache: torch.Tensor,
+    scale: float,
+) -> None:
+    return None
 
 
 _lib.impl("attention", _attention_cpu, "CPU")
@@ -62,5 +67,6 @@ class Attention(nn.Module):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """[T, H, D] queries, [T, Hkv, D] keys and values -> [T, H * D]."""
-        out = torch.ops.compiled_llm.attention(query, key, value, self.kv_cache, self.scale)
-        return out.view(-1, self.num_heads * self.head_dim)
+        output = torch.empty_like(query)
+        torch.ops.compiled_llm.attention(query, key, value, output, self.kv_cache, self.scale)
+        return output.view(-1, self.num_heads * self.head_dim)
