@@ -14,8 +14,11 @@ from compiled_llm.sampling_params import SamplingParams
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int) -> None:
+    def __init__(
+        self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int, device: torch.device | str = "cpu"
+    ) -> None:
         self.max_num_reqs = max_num_reqs
+        self.device = torch.device(device)  # where seeded generators draw (beside the logits)
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
@@ -64,7 +67,7 @@ class InputBatch:
         self.frequency_penalty[row] = params.frequency_penalty
         self.repetition_penalty[row] = params.repetition_penalty
         if params.seed is not None:
-            generator = torch.Generator(device="cpu")
+            generator = torch.Generator(device=self.device)
             generator.manual_seed(params.seed % (2**63))
             self.generators[row] = generator
         return row

@@ -66,7 +66,7 @@ class ModelRunner:
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.model_forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self.model.forward
 
-        self.batch = InputBatch(self.max_num_reqs, mc.max_model_len, self.max_blocks_per_req)
+        self.batch = InputBatch(self.max_num_reqs, mc.max_model_len, self.max_blocks_per_req, self.device)
         buf = lambda *shape, dtype=torch.int64, fill=0: CpuGpuBuffer(*shape, dtype=dtype, device=self.device, fill=fill)  # noqa: E731
         self.input_ids = buf(self.max_num_tokens)
         self.positions = buf(self.max_num_tokens)
