@@ -209,22 +209,30 @@ class ModelRunner:
             self.query_start_loc.np[num_reqs + 1 : padded_reqs + 1] = total
             self.seq_lens.np[num_reqs:padded_reqs] = 0
             self.block_tables.np[num_reqs:padded_reqs] = 0
-        self.input_ids.copy_to_device(padded_tokens)
-        self.positions.copy_to_device(padded_tokens)
-        metadata = AttentionMetadata(
-            num_actual_tokens=total,
-            num_reqs=padded_reqs,
-            num_decodes=num_decodes,
-            max_query_len=int(num_sched.max()),
-            max_seq_len=int(seq_lens.max()),
-            query_start_loc=self.query_start_loc.copy_to_device(padded_reqs + 1),
-            seq_lens=self.seq_lens.copy_to_device(padded_reqs),
-            block_tables=self.block_tables.copy_to_device(padded_reqs),
-            slot_mapping=self.slot_mapping.copy_to_device(padded_tokens),
-            query_start_loc_cpu=self.query_start_loc.np[: padded_reqs + 1],
-            seq_lens_cpu=self.seq_lens.np[:padded_reqs],
-        )
+        metadata = self._publish(padded_tokens, padded_reqs, total, num_decodes, int(num_sched.max()), int(seq_lens.max()))
         return metadata, seq_lens
+
+    def _publish(
+        self, num_tokens: int, num_reqs: int, num_actual_tokens: int, num_decodes: int, max_query_len: int,
+        max_seq_len: int,
+    ) -> AttentionMetadata:
+        """Copy the filled host buffers to the device and describe them (views from the start of
+        each buffer, so addresses never change)."""
+        self.input_ids.copy_to_device(num_tokens)
+        self.positions.copy_to_device(num_tokens)
+        return AttentionMetadata(
+            num_actual_tokens=num_actual_tokens,
+            num_reqs=num_reqs,
+            num_decodes=num_decodes,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            query_start_loc=self.query_start_loc.copy_to_device(num_reqs + 1),
+            seq_lens=self.seq_lens.copy_to_device(num_reqs),
+            block_tables=self.block_tables.copy_to_device(num_reqs),
+            slot_mapping=self.slot_mapping.copy_to_device(num_tokens),
+            query_start_loc_cpu=self.query_start_loc.np[: num_reqs + 1],
+            seq_lens_cpu=self.seq_lens.np[:num_reqs],
+        )
 
     # ---- sampling inputs ----------------------------------------------------------------------
     def sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
@@ -367,21 +375,9 @@ class ModelRunner:
         self.query_start_loc.np[: num_reqs + 1] = starts
         self.seq_lens.np[:num_reqs] = query_lens
         self.block_tables.np[:num_reqs] = 0
-        self.input_ids.copy_to_device(num_tokens)
-        self.positions.copy_to_device(num_tokens)
-        return AttentionMetadata(
-            num_actual_tokens=num_tokens,
-            num_reqs=num_reqs,
-            num_decodes=num_reqs if per_req == 1 and num_tokens == num_reqs else 0,
-            max_query_len=int(query_lens.max()),
-            max_seq_len=int(query_lens.max()),
-            query_start_loc=self.query_start_loc.copy_to_device(num_reqs + 1),
-            seq_lens=self.seq_lens.copy_to_device(num_reqs),
-            block_tables=self.block_tables.copy_to_device(num_reqs),
-            slot_mapping=self.slot_mapping.copy_to_device(num_tokens),
-            query_start_loc_cpu=self.query_start_loc.np[: num_reqs + 1],
-            seq_lens_cpu=self.seq_lens.np[:num_reqs],
-        )
+        longest = int(query_lens.max())
+        num_decodes = num_reqs if longest == 1 else 0
+        return self._publish(num_tokens, num_reqs, num_tokens, num_decodes, longest, longest)
 
 
 def compile_cache_factors(config: EngineConfig, model: torch.nn.Module | None = None) -> dict:
