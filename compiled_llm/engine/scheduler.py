@@ -49,6 +49,9 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     finished_req_ids: set[str] = field(default_factory=set)  # rows the runner can drop
+    # Rows the runner drops for now but whose sampling state (a seeded generator) it keeps:
+    # the request comes back and must draw the same random numbers as if never preempted.
+    preempted_req_ids: set[str] = field(default_factory=set)
 
     @property
     def empty(self) -> bool:
@@ -73,6 +76,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
+        self.preempted_req_ids: set[str] = set()
         self.num_preemptions = 0
         self._prompt_tokens = 0
         self._generation_tokens = 0
@@ -139,6 +143,8 @@ class Scheduler:
                 break
             num_scheduled[request.request_id] = num_new
             budget -= num_new
+            # The rest of a chunked prompt (or a recomputed one) counts as prompt tokens too.
+            self._prompt_tokens += max(0, min(num_new, request.num_prompt_tokens - request.num_computed_tokens))
             cached_reqs.append(
                 CachedRequestData(request.request_id, [b.block_id for b in new_blocks], request.num_computed_tokens)
             )
@@ -148,7 +154,8 @@ class Scheduler:
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             computed_blocks, num_hit = [], 0
-            if request.num_computed_tokens == 0:
+            looked_up = request.num_computed_tokens == 0
+            if looked_up:
                 computed_blocks, num_hit = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, budget)
             request.num_computed_tokens = num_hit
@@ -156,6 +163,8 @@ class Scheduler:
                 request.num_computed_tokens = 0
                 break
             self.waiting.popleft()
+            if looked_up:
+                self.kv.record_prefix_lookup(request, num_hit)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
             request.status = RequestStatus.RUNNING
@@ -183,8 +192,10 @@ class Scheduler:
             num_scheduled,
             sum(num_scheduled.values()),
             self.finished_req_ids,
+            self.preempted_req_ids - self.finished_req_ids,
         )
         self.finished_req_ids = set()
+        self.preempted_req_ids = set()
         return output
 
     def _preempt(self, request: Request) -> None:
@@ -194,7 +205,7 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
-        self.finished_req_ids.add(request.request_id)  # the runner drops its row
+        self.preempted_req_ids.add(request.request_id)  # the runner drops its row, keeps its RNG
 
     # ---- after the model ran ------------------------------------------------------------------
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:

@@ -38,6 +38,8 @@ class InputBatch:
         self.frequency_penalty = np.zeros(max_num_reqs, dtype=np.float32)
         self.repetition_penalty = np.ones(max_num_reqs, dtype=np.float32)
         self.generators: dict[int, torch.Generator] = {}
+        # Generators of preempted requests, by request id, until they come back or finish.
+        self._parked_generators: dict[str, torch.Generator] = {}
 
     def add(
         self,
@@ -66,9 +68,11 @@ class InputBatch:
         self.presence_penalty[row] = params.presence_penalty
         self.frequency_penalty[row] = params.frequency_penalty
         self.repetition_penalty[row] = params.repetition_penalty
-        if params.seed is not None:
+        generator = self._parked_generators.pop(req_id, None)
+        if generator is None and params.seed is not None:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(params.seed % (2**63))
+        if generator is not None:
             self.generators[row] = generator
         return row
 
@@ -77,10 +81,17 @@ class InputBatch:
         self.block_table[row, start : start + len(block_ids)] = block_ids
         self.num_blocks[row] = start + len(block_ids)
 
-    def remove(self, req_id: str) -> None:
+    def remove(self, req_id: str, keep_sampling_state: bool = False) -> None:
+        """Free the request's row. A preempted request (`keep_sampling_state`) keeps its seeded
+        generator for when it comes back; otherwise any kept one is forgotten too."""
+        parked = self._parked_generators.pop(req_id, None)
         row = self.row_of.pop(req_id, None)
         if row is None:
+            if keep_sampling_state and parked is not None:
+                self._parked_generators[req_id] = parked
             return
+        if keep_sampling_state and row in self.generators:
+            self._parked_generators[req_id] = self.generators[row]
         self.req_ids[row] = None
         self.params[row] = None
         self.block_table[row, : self.num_blocks[row]] = 0

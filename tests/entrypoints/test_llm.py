@@ -53,6 +53,7 @@ def test_stop_strings_and_stop_tokens(llm):
     by_id = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[tok_stop]), use_tqdm=False)[0].outputs[0]
     assert by_id.token_ids == base.token_ids[: base.token_ids.index(tok_stop) + 1]
     assert by_id.finish_reason == "stop" and by_id.stop_reason == tok_stop
+    assert by_id.text == llm.get_tokenizer().decode(by_id.token_ids[:-1])  # the stop token's text is left out
 
 
 def test_eos_and_min_tokens(llm):
@@ -92,11 +93,12 @@ def test_logprobs_format(llm):
 
 
 def test_prefix_caching_serves_a_repeated_prefix(llm):
-    prefix = "You are a careful assistant. " * 12
+    prefix = "Prefix-cache check: you are a careful assistant. " * 12  # no other test sends it
     prompts = [prefix + "Tell me about cats.", prefix + "Tell me about dogs."]
     first = llm.generate(prompts[0], GREEDY, use_tqdm=False)[0]
     second = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert first.num_cached_tokens == 0 or first.num_cached_tokens < len(first.prompt_token_ids)
+    assert first.num_cached_tokens == 0
+    assert second[0].num_cached_tokens < len(first.prompt_token_ids)  # never the whole prompt
     assert all(o.num_cached_tokens >= 64 for o in second)
     assert second[0].outputs[0].token_ids == first.outputs[0].token_ids
 
@@ -134,6 +136,13 @@ def test_preemption_under_a_tiny_kv_budget_matches_a_roomy_run(tiny_llama):
     tight = LLM(tiny_llama, optimization_level=0, max_model_len=256, kv_cache_memory_bytes=block_bytes * 64)  # ~1000 tokens
     got = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
     assert tight.llm_engine.engine_core.scheduler.num_preemptions > 0
+    assert got == expected
+    # A seeded request draws the same numbers whether or not it was preempted on the way.
+    seeded = [SamplingParams(temperature=1.0, seed=i, max_tokens=160, ignore_eos=True) for i in range(12)]
+    expected = [o.outputs[0].token_ids for o in roomy.generate(prompts, seeded, use_tqdm=False)]
+    preemptions = tight.llm_engine.engine_core.scheduler.num_preemptions
+    got = [o.outputs[0].token_ids for o in tight.generate(prompts, seeded, use_tqdm=False)]
+    assert tight.llm_engine.engine_core.scheduler.num_preemptions > preemptions
     assert got == expected
     pool = tight.llm_engine.engine_core.scheduler.kv.pool
     assert pool.num_free_blocks == pool.num_blocks - 1
