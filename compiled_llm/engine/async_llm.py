@@ -148,6 +148,7 @@ class AsyncLLM:
             else:
                 parent = ParentRequest(request_id, request.sampling_params)
                 children = [parent.child_request(request, i) for i in range(parent.n)]
+            self.output_processor.check_ids_free([child.request_id for child in children])
             for index, child in enumerate(children):
                 self.output_processor.add_request(child, text, request_id, parent, index, queue=stream)
                 stream.engine_ids.append(child.request_id)

@@ -112,7 +112,11 @@ class EngineCoreProc:
 
     def _handle(self, kind: RequestType, data: Any) -> None:
         if kind == RequestType.ADD:
-            self.engine.add_request(data)
+            try:
+                self.engine.add_request(data)
+            except ValueError as e:  # the frontends refuse reused ids first; never die of one
+                logger.error("Refused request %r: %s", data.request_id, e)
+                return
         elif kind == RequestType.ABORT:
             self.engine.abort_requests(data)
         elif kind == RequestType.UTILITY:

@@ -48,9 +48,14 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.stats.queries += request.num_tokens
-        self.stats.hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def record_prefix_lookup(self, request: Request, num_hit: int) -> None:
+        """Count a lookup once, when its request is admitted (a request left waiting is looked up
+        again next step and must not count twice)."""
+        if self.enable_caching:
+            self.stats.queries += request.num_tokens
+            self.stats.hits += num_hit
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] | None = None

@@ -42,19 +42,18 @@ class LLMEngine:
     def add_processed(self, request: EngineCoreRequest, prompt: str | None) -> None:
         params = request.sampling_params
         external_id = request.request_id
+        if external_id in self._engine_ids:
+            raise ValueError(f"Request id {external_id!r} is already in use.")
         if params.n == 1:
-            self.output_processor.add_request(request, prompt, external_id)
-            self.engine_core_client.add_request(request)
-            self._engine_ids[external_id] = [external_id]
-            return
-        parent = ParentRequest(external_id, params)
-        ids = []
-        for index in range(params.n):
-            child = parent.child_request(request, index)
+            parent, children = None, [request]
+        else:
+            parent = ParentRequest(external_id, params)
+            children = [parent.child_request(request, index) for index in range(params.n)]
+        self.output_processor.check_ids_free([child.request_id for child in children])
+        for index, child in enumerate(children):
             self.output_processor.add_request(child, prompt, external_id, parent, index)
             self.engine_core_client.add_request(child)
-            ids.append(child.request_id)
-        self._engine_ids[external_id] = ids
+        self._engine_ids[external_id] = [child.request_id for child in children]
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
         self.add_processed(*self.process(request_id, prompt, params))

@@ -86,6 +86,7 @@ class OutputProcessor:
         index: int = 0,
         queue: Any = None,
     ) -> None:
+        self.check_ids_free([request.request_id])
         params = request.sampling_params
         detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params) if params.detokenize else None
         state = RequestState(
@@ -95,6 +96,13 @@ class OutputProcessor:
         if params.logprobs is not None:
             state.logprobs, state.cumulative_logprob = [], 0.0
         self.states[request.request_id] = state
+
+    def check_ids_free(self, engine_ids: list[str]) -> None:
+        """Refuse ids an open request already uses (a user's id can equal another request's
+        child id): two requests under one engine id would mix their outputs."""
+        for engine_id in engine_ids:
+            if engine_id in self.states:
+                raise ValueError(f"Request id {engine_id!r} is already in use by an open request.")
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
         """Forget requests; returns the engine ids that were still open."""
@@ -114,7 +122,7 @@ class OutputProcessor:
             finish_reason, stop_reason = out.finish_reason, out.stop_reason
             new_ids = out.new_token_ids
             if state.detokenizer is not None and new_ids:
-                stop, used = state.detokenizer.update(new_ids)
+                stop, used = state.detokenizer.update(new_ids, stop_terminated=finish_reason == "stop")
                 if stop is not None:
                     new_ids = new_ids[:used]
                     if finish_reason is None:

@@ -43,6 +43,27 @@ def test_chunked_prefill_splits_a_long_prompt_within_the_budget():
     assert chunks == [8, 8, 4]
 
 
+def test_stats_count_every_prompt_chunk_and_each_prefix_lookup_once():
+    s = make_scheduler(budget=8)
+    s.add_request(req("a", 20))
+    for _ in range(3):
+        run_step(s)
+    stats = s.make_stats()
+    assert stats.num_prompt_tokens == 20 and stats.prefix_cache_queries == 20
+    # A request that waits for room is looked up every step but counted once, when admitted.
+    s = make_scheduler(num_blocks=10, max_num_seqs=4, budget=32)
+    s.add_request(req("big", 24, max_tokens=4))
+    run_step(s)
+    s.add_request(Request("late", [40 + i for i in range(12)], SamplingParams(max_tokens=2), [EOS], 4))
+    run_step(s)
+    assert [r.request_id for r in s.waiting] == ["late"]  # looked up, no room yet
+    for _ in range(4):
+        run_step(s)
+    stats = s.make_stats()
+    assert stats.num_preemptions == 0 and not s.has_unfinished_requests()
+    assert stats.prefix_cache_queries == 24 + 12
+
+
 def test_running_requests_come_before_waiting_ones():
     s = make_scheduler(budget=10)
     s.add_request(req("a", 6, max_tokens=10))

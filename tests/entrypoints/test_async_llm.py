@@ -160,6 +160,14 @@ def test_validation_errors(loop, engine):
         with pytest.raises(ValueError, match="already in use"):
             await engine.add_request("dup", "x", params(FINAL, 4))
         assert [o.finished for o in [o async for o in stream]] == [True]
+        # A user's id equal to a child id of an open n > 1 request is refused, and both go on.
+        parent = await engine.add_request("x", "x", params(FINAL, 4, n=2, temperature=1.0))
+        child_id = parent.engine_ids[0]
+        with pytest.raises(ValueError, match="already in use"):
+            await engine.add_request(child_id, "x", params(FINAL, 4))
+        (final,) = [o async for o in parent]
+        assert len(final.outputs) == 2 and all(len(c.token_ids) == 4 for c in final.outputs)
+        assert len((await outputs(engine, "x", params(FINAL, 4), child_id))[0].outputs[0].token_ids) == 4
         assert engine.num_open_requests == 0
 
     run(loop, main())
