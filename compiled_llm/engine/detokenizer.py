@@ -25,6 +25,9 @@ class IncrementalDetokenizer:
         self.stop: list[str] = params.stop or []  # type: ignore[assignment]
         self.include_stop = params.include_stop_str_in_output
         self.max_stop_len = max((len(s) for s in self.stop), default=0)
+        self.min_tokens = params.min_tokens
+        self.num_tokens = 0  # output tokens seen
+        self._stop_search_from = 0  # stop strings may not start in the first min_tokens' text
         self.output_text = ""
         self._sent = 0  # characters already handed out as deltas
         self._token_ids: list[int] = []
@@ -49,14 +52,24 @@ class IncrementalDetokenizer:
         chunk, self._window_text = text[len(self._window_text) :], text
         return chunk
 
-    def update(self, new_token_ids: list[int]) -> tuple[str | None, int]:
-        """Add tokens; return (the stop string hit or None, how many of the tokens were used)."""
+    def update(self, new_token_ids: list[int], stop_terminated: bool = False) -> tuple[str | None, int]:
+        """Add tokens; return (the stop string hit or None, how many of the tokens were used).
+
+        `stop_terminated`: the engine stopped on the last token (EOS or a stop token id); as in
+        vLLM, its text is left out unless `include_stop_str_in_output`. Stop strings are only
+        looked for in text that comes after the first `min_tokens` tokens.
+        """
         for used, token_id in enumerate(new_token_ids, start=1):
+            self.num_tokens += 1
+            if stop_terminated and used == len(new_token_ids) and not self.include_stop:
+                break
             chunk = self._decode_step(token_id)
             if not chunk:
                 continue
             self.output_text += chunk
-            if self.stop:
+            if self.num_tokens <= self.min_tokens:
+                self._stop_search_from = len(self.output_text)
+            elif self.stop:
                 hit = self._find_stop(len(chunk))
                 if hit is not None:
                     return hit, used
@@ -64,7 +77,7 @@ class IncrementalDetokenizer:
 
     def _find_stop(self, new_chars: int) -> str | None:
         text = self.output_text
-        window_start = max(0, len(text) - new_chars - self.max_stop_len + 1)
+        window_start = max(self._stop_search_from, len(text) - new_chars - self.max_stop_len + 1)
         best: tuple[int, str] | None = None
         for stop in self.stop:
             index = text.find(stop, window_start)

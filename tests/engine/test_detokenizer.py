@@ -60,3 +60,25 @@ def test_streaming_holds_back_a_possible_stop_prefix(tokenizer):
     assert not streamed.endswith("ST"), "a possible stop-string prefix must be held back"
     streamed += d.get_next_output_text(finished=True, delta=True)
     assert streamed == d.output_text == " go go ST"
+
+
+def test_stop_strings_wait_for_min_tokens(tokenizer):
+    text = " stop here, then more words and stop again"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    early = feed(tokenizer, text, SamplingParams(stop=["stop"]))
+    assert early[1] == "stop" and early[0].output_text == " "
+    # Text of the first min_tokens tokens cannot hold a stop string: the second "stop" ends it.
+    d, stop, used, _ = feed(tokenizer, text, SamplingParams(stop=["stop"], min_tokens=3))
+    assert stop == "stop" and used > 3
+    assert d.output_text == text[: text.rindex("stop")]
+    assert used < len(ids)
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_text_of_the_engines_stop_token_is_left_out(tokenizer, include):
+    ids = tokenizer(" one two three", add_special_tokens=False)["input_ids"]
+    d = IncrementalDetokenizer(tokenizer, [1], SamplingParams(stop_token_ids=[ids[-1]], include_stop_str_in_output=include))
+    d.update(ids[:-1])
+    stop, used = d.update(ids[-1:], stop_terminated=True)
+    assert stop is None and used == 1
+    assert d.output_text == tokenizer.decode(ids if include else ids[:-1])

@@ -127,8 +127,12 @@ def test_completion_logprobs(real_server):
     assert "".join(lp.tokens) == out.choices[0].text
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
     for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
-        assert logprob <= 0 and 1 <= len(top) <= 3
+        assert logprob <= 0 and 1 <= len(top) <= 4 and top[token] == pytest.approx(logprob, abs=1e-6)
         assert max(top.values()) == pytest.approx(logprob, abs=1e-4)  # greedy: the sampled token is the best
+    # logprobs=0 still names the sampled token, and a sampled token below the top k is kept.
+    hot = c.completions.create(model="smol", prompt="1, 2, 3, 4,", max_tokens=8, temperature=5.0, seed=1, logprobs=0)
+    for token, logprob, top in zip(*(getattr(hot.choices[0].logprobs, f) for f in ("tokens", "token_logprobs", "top_logprobs"))):
+        assert top == {token: pytest.approx(logprob, abs=1e-6)}
 
 
 def test_chat_logprobs(real_server):
@@ -187,6 +191,16 @@ def test_vllm_extras(real_server):
     chat = c.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Say hi."}], max_tokens=40,
                                      temperature=0, extra_body={"stop_token_ids": eos, "skip_special_tokens": True})
     assert chat.choices[0].finish_reason in ("stop", "length")
+    # A stop token id ends the completion, is named as the stop reason, and its text is left out.
+    base = c.completions.create(model="smol", prompt="1, 2, 3, 4,", max_tokens=6, temperature=0).choices[0].text
+    ids = httpx.post(real_server.url + "/tokenize", json={"prompt": base, "add_special_tokens": False},
+                     timeout=TIMEOUT).json()["tokens"]
+    stopped = c.completions.create(model="smol", prompt="1, 2, 3, 4,", max_tokens=6, temperature=0,
+                                   extra_body={"stop_token_ids": [ids[2]], "ignore_eos": True})
+    choice = stopped.choices[0]
+    assert choice.finish_reason == "stop" and choice.model_extra["stop_reason"] == ids[2]
+    assert stopped.usage.completion_tokens == 3
+    assert choice.text == httpx.post(real_server.url + "/detokenize", json={"tokens": ids[:2]}, timeout=TIMEOUT).json()["prompt"]
 
 
 def test_models_version_tokenizer_metrics(real_server):

@@ -46,12 +46,13 @@ def completion_logprobs(output: CompletionOutput, num_top: int, text_offset: int
         result.token_logprobs.append(max(sampled.logprob, -9999.0))
         result.text_offset.append(text_offset)
         text_offset += len(token)
+        # As vLLM: the sampled token first, then the `num_top` best (so up to num_top + 1 entries,
+        # and the sampled token even where it ranks below them).
         top = {
             (lp.decoded_token or ""): max(lp.logprob, -9999.0)
-            for lp in sorted(entry.values(), key=lambda lp: lp.rank or 0)
-            if lp.rank is not None and lp.rank <= num_top
+            for lp in list(entry.values())[: num_top + 1]
         }
-        result.top_logprobs.append(top if num_top else None)
+        result.top_logprobs.append(top)
     return result
 
 
