@@ -88,6 +88,10 @@ def token_argument(args: tuple[Any, ...], symbol: sympy.Symbol | None) -> tuple[
     raise RuntimeError("a compiled piece has no input sized by the token dimension")
 
 
+class _WarmLoadFailed(Exception):
+    """The warm path found an artifact it could not use (already set aside)."""
+
+
 class CompilerBackend:
     def __init__(
         self,
@@ -165,7 +169,10 @@ class CompilerBackend:
             except ValueError:  # a checksum mismatch: let the cold path set the entry aside
                 return None
             self.cache.prepare()
-            artifacts = self._compile_or_load(saved.pieces, None)
+            try:
+                artifacts = self._compile_or_load(saved.pieces, None)
+            except _WarmLoadFailed:  # an artifact would not load: the cold path rebuilds the entry
+                return None
         split = saved.graph
         self._install(split, saved.pieces, artifacts)
         self.traced = saved
@@ -216,7 +223,9 @@ class CompilerBackend:
             cache.set_aside(f"{type(e).__name__}: {e}")
             index, artifacts, misses = {}, {}, list(plan)
         counters.num_cache_misses += len(misses)
-        if misses and (self.config.require_cache_hit or compile_piece is None):
+        if misses and compile_piece is None and not self.config.require_cache_hit:
+            raise _WarmLoadFailed
+        if misses and self.config.require_cache_hit:
             h, spec = misses[0]
             raise CompileCacheMissError(
                 f"Compile cache miss in {cache.entry} with require_cache_hit: {len(misses)} of {len(plan)} "

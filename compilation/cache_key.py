@@ -69,10 +69,16 @@ def sources_hash(files: list[Path]) -> str:
 
 
 def device_description(device: torch.device) -> str:
+    """What the generated code was built for: an entry restored onto another machine must only
+    be reused where that code runs (Inductor's C++ targets the vector ISA it found)."""
     if device.type == "cuda":
+        import triton
+
         props = torch.cuda.get_device_properties(device)
-        return f"cuda:{props.name}:sm{props.major}{props.minor}"
-    return f"cpu:{platform.machine()}"
+        return f"cuda:{props.name}:sm{props.major}{props.minor}:triton{triton.__version__}"
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    return f"cpu:{platform.machine()}:{pick_vec_isa()}"
 
 
 def compute_factors(
@@ -83,7 +89,11 @@ def compute_factors(
     compilation_config: CompilationConfig,
     max_num_batched_tokens: int,
     source_files: list[Path],
+    cpu_kernels: bool = False,
 ) -> dict[str, Any]:
+    """Everything that changes the traced graph or the code generated for it. `cpu_kernels`: the
+    model calls this project's C++ CPU ops (a graph that calls them cannot run where they are
+    not built)."""
     from compiled_llm.compilation import inductor_settings
 
     inductor_settings.apply()  # before hashing Inductor's configuration
@@ -105,6 +115,7 @@ def compute_factors(
         "compile_sizes": list(compilation_config.compile_sizes),
         "splitting_ops": sorted(compilation_config.splitting_ops),
         "sources": sources_hash(source_files),
+        "cpu_kernels": cpu_kernels,
     }
 
 

@@ -74,8 +74,10 @@ class CompileCache:
 
     @contextmanager
     def locked(self) -> Iterator[None]:
+        """Hold the entry's lock. It lives beside the entry, not in it: a broken entry is renamed
+        away under the lock, and the next process must still wait on the same lock file."""
         self.entry.mkdir(parents=True, exist_ok=True)
-        with open(self.entry / ".lock", "a") as lock:
+        with open(self.root / f".{self.key}.lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
                 yield

@@ -91,6 +91,17 @@ class CompilationConfig:
         for s in self.compile_sizes:
             if not 1 <= s <= max_num_batched_tokens:
                 raise ValueError(f"compile size {s} is outside [1, {max_num_batched_tokens}].")
+        # Every step size must have code compiled at start-up: nothing compiles while serving.
+        bounds = [(0, 0), *self.compile_ranges, (max_num_batched_tokens + 1, max_num_batched_tokens + 1)]
+        sizes = set(self.compile_sizes)
+        for (_, hi), (lo, _) in zip(bounds, bounds[1:]):
+            uncovered = [n for n in range(hi + 1, lo) if n not in sizes]
+            if uncovered:
+                raise ValueError(
+                    f"compile ranges {self.compile_ranges} and sizes {self.compile_sizes} leave token counts "
+                    f"{uncovered[0]}..{uncovered[-1]} of [1, max_num_batched_tokens={max_num_batched_tokens}] "
+                    f"without compiled code."
+                )
         if self.cudagraph_mode is None:
             on_gpu = device_type == "cuda" and self.level >= 2
             self.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE if on_gpu else CUDAGraphMode.NONE

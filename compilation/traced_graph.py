@@ -20,7 +20,10 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
+from compiled_llm.logger import init_logger
 from compiled_llm.utils import atomic_write_bytes
+
+logger = init_logger(__name__)
 
 GRAPH_FILE = "graph.pkl"
 META_FILE = "graph.json"
@@ -106,9 +109,12 @@ def load(entry: Path) -> TracedGraph | None:
         if meta.get("version") != FORMAT_VERSION:
             return None
         graph = pickle.loads((entry / GRAPH_FILE).read_bytes())
+        return TracedGraph(graph, [Binding(**b) for b in meta["bindings"]], [PieceMeta(**p) for p in meta["pieces"]])
     except FileNotFoundError:
         return None
-    return TracedGraph(graph, [Binding(**b) for b in meta["bindings"]], [PieceMeta(**p) for p in meta["pieces"]])
+    except Exception as e:  # truncated or damaged: never trusted, the cold path saves a new one
+        logger.warning("Saved graph in %s is unreadable (%s: %s); tracing again.", entry, type(e).__name__, e)
+        return None
 
 
 class DirectCall:

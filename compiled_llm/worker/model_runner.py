@@ -50,11 +50,7 @@ class ModelRunner:
         self.vocab_size = mc.vocab_size
         if self.device.type == "cpu" and config.num_threads:
             torch.set_num_threads(config.num_threads)
-        use_cpu_kernels = False
-        if self.device.type == "cpu" and mc.dtype == torch.float32:
-            from compiled_llm.kernels.cpu_extension import cpu_kernels_available
-
-            use_cpu_kernels = cpu_kernels_available()  # builds them once per machine, now rather than mid-step
+        self.use_cpu_kernels = uses_cpu_kernels(config)  # builds them once per machine, now rather than mid-step
         torch.manual_seed(mc.seed)
 
         start = time.perf_counter()
@@ -62,7 +58,7 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - start
         for module in self.model.modules():
             if hasattr(module, "cpu_kernel"):
-                module.cpu_kernel = use_cpu_kernels
+                module.cpu_kernel = self.use_cpu_kernels
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.model_forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self.model.forward
 
@@ -75,6 +71,9 @@ class ModelRunner:
         self.seq_lens = buf(self.max_num_reqs, dtype=torch.int32)
         self.block_tables = buf(self.max_num_reqs, self.max_blocks_per_req, dtype=torch.int32)
         self._arange = np.arange(max(self.max_num_tokens, self.max_num_reqs) + 1, dtype=np.int64)
+        # The host buffers are copied asynchronously; the next step may only overwrite them once
+        # those copies ran (a step that samples nothing never waits on the device otherwise).
+        self._inputs_copied = torch.cuda.Event() if self.device.type == "cuda" else None
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.dispatcher: CudagraphDispatcher | None = None  # set when CUDA graphs are captured
@@ -126,13 +125,15 @@ class ModelRunner:
         batch = self.batch
         for rid in out.finished_req_ids:
             batch.remove(rid)
+        for rid in out.preempted_req_ids:
+            batch.remove(rid, keep_sampling_state=True)
         for cached in out.scheduled_cached_reqs:
             row = batch.row_of[cached.req_id]
             if cached.new_block_ids:
                 batch.append_blocks(row, cached.new_block_ids)
             batch.num_computed_tokens[row] = cached.num_computed_tokens
         for new in out.scheduled_new_reqs:
-            batch.remove(new.req_id)  # a preempted request coming back
+            batch.remove(new.req_id, keep_sampling_state=True)  # a preempted request coming back
             batch.add(new.req_id, new.token_ids, new.num_prompt_tokens, new.sampling_params, new.block_ids, new.num_computed_tokens)
 
     @torch.inference_mode()
@@ -184,6 +185,8 @@ class ModelRunner:
         Returns the metadata (views of the buffers, sized to the padded batch) and the requests'
         sequence lengths."""
         batch = self.batch
+        if self._inputs_copied is not None:
+            self._inputs_copied.synchronize()
         num_reqs = len(rows)
         num_decodes = int(np.count_nonzero(num_sched == 1)) if num_sched[0] == 1 else 0
         cu = np.cumsum(num_sched)
@@ -220,7 +223,7 @@ class ModelRunner:
         each buffer, so addresses never change)."""
         self.input_ids.copy_to_device(num_tokens)
         self.positions.copy_to_device(num_tokens)
-        return AttentionMetadata(
+        metadata = AttentionMetadata(
             num_actual_tokens=num_actual_tokens,
             num_reqs=num_reqs,
             num_decodes=num_decodes,
@@ -233,6 +236,9 @@ class ModelRunner:
             query_start_loc_cpu=self.query_start_loc.np[: num_reqs + 1],
             seq_lens_cpu=self.seq_lens.np[:num_reqs],
         )
+        if self._inputs_copied is not None:
+            self._inputs_copied.record()
+        return metadata
 
     # ---- sampling inputs ----------------------------------------------------------------------
     def sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
@@ -369,6 +375,8 @@ class ModelRunner:
         query_lens = np.full(num_reqs, per_req, dtype=np.int64)
         query_lens[-1] += num_tokens - per_req * num_reqs
         starts = np.concatenate([[0], np.cumsum(query_lens)])
+        if self._inputs_copied is not None:
+            self._inputs_copied.synchronize()
         self.input_ids.np[:num_tokens] = 0
         self.positions.np[:num_tokens] = np.concatenate([np.arange(n) for n in query_lens])
         self.slot_mapping.np[:num_tokens] = -1
@@ -380,12 +388,22 @@ class ModelRunner:
         return self._publish(num_tokens, num_reqs, num_tokens, num_decodes, longest, longest)
 
 
+def uses_cpu_kernels(config: EngineConfig) -> bool:
+    """Whether the model calls the C++ CPU kernels: fp32 on a CPU, where they can be built."""
+    if config.torch_device.type != "cpu" or config.model_config.dtype != torch.float32:
+        return False
+    from compiled_llm.kernels.cpu_extension import cpu_kernels_available
+
+    return cpu_kernels_available()
+
+
 def compile_cache_factors(config: EngineConfig, model: torch.nn.Module | None = None) -> dict:
     """The factors of the compile cache key; builds the model on the meta device if none is given."""
     from compiled_llm.compilation.cache_key import compute_factors, model_sources, package_sources
     from compiled_llm.models.registry import model_class
 
     mc = config.model_config
+    had_model = model is not None
     if model is None:
         with torch.device("meta"):
             model = model_class(mc.architecture)(mc.hf_config)
@@ -396,6 +414,7 @@ def compile_cache_factors(config: EngineConfig, model: torch.nn.Module | None = 
         compilation_config=config.compilation_config,
         max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
         source_files=package_sources() + model_sources(model),
+        cpu_kernels=any(getattr(m, "cpu_kernel", False) for m in model.modules()) if had_model else uses_cpu_kernels(config),
     )
 
 

@@ -75,6 +75,17 @@ def test_compile_count_and_dispatch_for_ranges_and_sizes(tmp_path):
         backend.piece_backends[0].select(33)
 
 
+def test_ranges_and_sizes_must_cover_every_step_size(tmp_path):
+    with pytest.raises(ValueError, match="9..32"):
+        toy_config(str(tmp_path), ranges=[(1, 8)])
+    with pytest.raises(ValueError, match="5..7"):
+        toy_config(str(tmp_path), ranges=[(1, 4), (8, MAX_TOKENS)])
+    with pytest.raises(ValueError, match="overlap"):
+        toy_config(str(tmp_path), ranges=[(1, 8), (8, MAX_TOKENS)])
+    # A size may fill a one-token gap between ranges.
+    assert toy_config(str(tmp_path), ranges=[(1, 4), (6, MAX_TOKENS)], sizes=[5]).compile_sizes == [5]
+
+
 def test_nothing_recompiles_while_serving(tmp_path):
     model, compiled, _ = compile_toy(str(tmp_path))
     with torch.inference_mode(), torch.compiler.set_stance("fail_on_recompile"):
@@ -137,6 +148,31 @@ def test_truncated_artifact_is_reported_and_recompiled(tmp_path):
     assert list(tmp_path.glob(f"{entry.name}.broken-*")), "the broken entry is set aside, not deleted"
     warm, _ = run_fresh(tmp_path, strict=True)  # the rebuilt entry is whole again
     assert warm["num_inductor_compilations"] == 0
+
+
+def test_unloadable_artifact_or_damaged_graph_is_rebuilt_not_trusted(tmp_path):
+    from compiled_llm.compilation.compile_cache import file_sha256
+    from compiled_llm.compilation.traced_graph import GRAPH_FILE
+
+    cold, _ = run_fresh(tmp_path)
+    entry = Path(cold["cache_entry"])
+    # An artifact whose checksum the index vouches for, but which does not load.
+    victim = sorted((entry / "artifacts").glob("*.bin"))[0]
+    victim.write_bytes(b"not an artifact")
+    index = json.loads((entry / "index.json").read_text())
+    index["artifacts"][victim.stem] = {"sha256": file_sha256(victim), "bytes": victim.stat().st_size}
+    (entry / "index.json").write_text(json.dumps(index))
+    again, log = run_fresh(tmp_path)
+    assert again["num_inductor_compilations"] == 3 and again["max_error"] < 1e-5
+    assert "moved it to" in log
+    # A truncated saved graph: traced again with Dynamo, the artifacts still serve.
+    graph = entry / GRAPH_FILE
+    graph.write_bytes(graph.read_bytes()[:100])
+    traced, log = run_fresh(tmp_path)
+    assert traced["num_graphs_traced"] == 1 and traced["num_inductor_compilations"] == 0
+    assert traced["max_error"] < 1e-5 and "unreadable" in log
+    warm, _ = run_fresh(tmp_path, strict=True)
+    assert warm["num_graphs_traced"] == 0 and warm["num_inductor_compilations"] == 0
 
 
 def test_two_processes_filling_one_cache_leave_it_valid(tmp_path):
