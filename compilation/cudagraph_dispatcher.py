@@ -18,12 +18,11 @@ class CudagraphDispatcher:
 
     A uniform-decode batch (every request has exactly `uniform_decode_query_len` new tokens)
     gets a FULL graph keyed by `BatchDescriptor(padded, padded // q, uniform=True)` when the
-    mode's decode half is FULL and that many requests fit in `max_num_seqs`. Any other batch,
-    and a uniform one without such a key, gets the mode's mixed half keyed by
-    `BatchDescriptor(padded)`: PIECEWISE for PIECEWISE and FULL_AND_PIECEWISE, eager for
-    FULL_DECODE_ONLY, and FULL for plain FULL. Plain FULL means full graphs for every batch
-    kind (its mixed half is FULL, which is all that tells it apart from FULL_DECODE_ONLY), so
-    the attention backend must be graph-safe for mixed batches before a user picks it.
+    mode allows full graphs and that many requests fit in `max_num_seqs`. Any other batch, and
+    a uniform one without such a key, gets a PIECEWISE graph keyed by `BatchDescriptor(padded)`
+    when the mode has piecewise graphs (PIECEWISE, FULL_AND_PIECEWISE). Full graphs are only
+    ever captured for uniform decode, plain FULL included: a full graph bakes the request count
+    of its capture into the attention launch, which only a uniform batch's descriptor fixes.
 
     A step with no key (too large, or the mode has no graph for its kind) runs eagerly as
     `(NONE, BatchDescriptor(num_tokens))`, unpadded: an unknown key is never an error.
@@ -51,10 +50,9 @@ class CudagraphDispatcher:
             CUDAGraphMode.FULL: set(),
             CUDAGraphMode.PIECEWISE: set(),
         }
-        mixed = mode.mixed_mode()
-        if mixed is not CUDAGraphMode.NONE:
-            self.keys[mixed].update(BatchDescriptor(size) for size in self.capture_sizes)
-        if mode.decode_mode() is CUDAGraphMode.FULL:
+        if mode.has_piecewise_cudagraphs():
+            self.keys[CUDAGraphMode.PIECEWISE].update(BatchDescriptor(size) for size in self.capture_sizes)
+        if mode.has_full_cudagraphs():
             q = uniform_decode_query_len
             self.keys[CUDAGraphMode.FULL].update(
                 BatchDescriptor(size, size // q, uniform=True)
@@ -66,11 +64,8 @@ class CudagraphDispatcher:
         """The runtime mode and descriptor to set in the forward context for this step."""
         if num_tokens < 1:
             raise ValueError(f"a step has at least one token, got {num_tokens}.")
-        if uniform_decode and num_tokens % self.uniform_decode_query_len:
-            raise ValueError(
-                f"a uniform-decode batch of {num_tokens} tokens is not a whole number of "
-                f"{self.uniform_decode_query_len}-token requests."
-            )
+        if num_tokens % self.uniform_decode_query_len:
+            uniform_decode = False  # not a whole number of requests: served as a mixed batch
         index = bisect.bisect_left(self.capture_sizes, num_tokens)
         if index < len(self.capture_sizes):
             padded = self.capture_sizes[index]
@@ -79,9 +74,8 @@ class CudagraphDispatcher:
                 if key in self.keys[CUDAGraphMode.FULL]:
                     return CUDAGraphMode.FULL, key
             key = BatchDescriptor(padded)
-            for mode in (CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE):
-                if key in self.keys[mode]:
-                    return mode, key
+            if key in self.keys[CUDAGraphMode.PIECEWISE]:
+                return CUDAGraphMode.PIECEWISE, key
         return CUDAGraphMode.NONE, BatchDescriptor(num_tokens)
 
     def capture_descriptors(self) -> list[tuple[CUDAGraphMode, BatchDescriptor]]:

@@ -91,7 +91,9 @@ def _find_request(query_start_loc_ptr, num_reqs, q_block, BLOCK_Q: tl.constexpr)
     return lo - 1
 
 
-@triton.jit
+# The batch's counts change every step: were they specialised (Triton does so for a value of 1
+# or a multiple of 16), a combination start-up never ran would compile a variant mid-serving.
+@triton.jit(do_not_specialize=["num_tokens", "num_reqs"])
 def _unified_attention_kernel(
     query_ptr, cache_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
     scale_log2, num_tokens, num_reqs, head_dim,

@@ -67,13 +67,13 @@ def test_full_decode_only_runs_mixed_batches_eagerly():
     assert d.dispatch(17, uniform_decode=True) == (M.NONE, BatchDescriptor(17))
 
 
-def test_plain_full_captures_full_graphs_for_mixed_batches_too():
-    # FULL's mixed half is FULL: that is what sets it apart from FULL_DECODE_ONLY.
+def test_plain_full_runs_mixed_batches_eagerly():
+    # Full graphs serve uniform decode only: a mixed batch has no piecewise graph to fall to.
     d = make(M.FULL)
-    assert d.keys[M.FULL] == {BatchDescriptor(s, s, True) for s in SIZES} | {BatchDescriptor(s) for s in SIZES}
+    assert d.keys[M.FULL] == {BatchDescriptor(s, s, True) for s in SIZES}
     assert d.keys[M.PIECEWISE] == set()
     assert d.dispatch(3, uniform_decode=True) == (M.FULL, BatchDescriptor(4, 4, True))
-    assert d.dispatch(3, uniform_decode=False) == (M.FULL, BatchDescriptor(4))
+    assert d.dispatch(3, uniform_decode=False) == (M.NONE, BatchDescriptor(3))
     assert d.dispatch(17, uniform_decode=False) == (M.NONE, BatchDescriptor(17))
 
 
@@ -86,7 +86,7 @@ def test_max_num_seqs_limits_uniform_decode_graphs():
     decode_only = make(M.FULL_DECODE_ONLY, max_num_seqs=6)
     assert decode_only.dispatch(6, uniform_decode=True) == (M.NONE, BatchDescriptor(6))
     full = make(M.FULL, max_num_seqs=6)
-    assert full.dispatch(6, uniform_decode=True) == (M.FULL, BatchDescriptor(8))
+    assert full.dispatch(6, uniform_decode=True) == (M.NONE, BatchDescriptor(6))
 
 
 def test_multi_token_uniform_decode_counts_requests_by_query_len():
@@ -102,8 +102,8 @@ def test_multi_token_uniform_decode_counts_requests_by_query_len():
     assert odd.keys[M.FULL] == {BatchDescriptor(12, 4, True)}
     assert odd.dispatch(6, uniform_decode=True) == (M.PIECEWISE, BatchDescriptor(8))
     assert odd.dispatch(9, uniform_decode=True) == (M.FULL, BatchDescriptor(12, 4, True))
-    with pytest.raises(ValueError, match="whole number"):
-        odd.dispatch(7, uniform_decode=True)
+    # A "uniform" count that is not a whole number of requests is served as a mixed batch.
+    assert odd.dispatch(7, uniform_decode=True) == (M.PIECEWISE, BatchDescriptor(8))
 
 
 def test_capture_sizes_are_sorted_and_deduplicated():

@@ -22,11 +22,15 @@ def make_llm(model: str) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def expected(tiny_llama):
-    return [o.outputs[0].token_ids for o in make_llm(tiny_llama).generate(PROMPTS, PARAMS, use_tqdm=False)]
+def unpadded(tiny_llama):
+    """The unpadded run: its tokens and its whole KV cache afterwards."""
+    llm = make_llm(tiny_llama)
+    tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+    return tokens, [c.clone() for c in llm.llm_engine.engine_core.runner.kv_caches]
 
 
-def test_padded_steps_give_the_same_tokens_and_write_no_kv(tiny_llama, expected):
+def test_padded_steps_give_the_same_tokens_and_write_no_kv(tiny_llama, unpadded):
+    expected, expected_caches = unpadded
     llm = make_llm(tiny_llama)
     runner = llm.llm_engine.engine_core.runner
     # Every step is padded as a graph replay would pad it (uniform decodes to FULL keys with
@@ -44,8 +48,10 @@ def test_padded_steps_give_the_same_tokens_and_write_no_kv(tiny_llama, expected)
     assert got == expected
     assert any(padded_tokens > tokens for tokens, _, padded_tokens, _ in seen)
     assert any(padded_reqs > reqs for _, reqs, _, padded_reqs in seen)
-    for cache in runner.kv_caches:
+    for cache, unpadded_cache in zip(runner.kv_caches, expected_caches):
         assert torch.count_nonzero(cache[:, 0]) == 0, "a padded token wrote into the null block"
+        # Nowhere else either (a slot of -1 taken as "the last slot" would show here).
+        torch.testing.assert_close(cache, unpadded_cache, atol=1e-4, rtol=1e-4)
 
 
 def test_padded_tails_of_the_buffers(tiny_llama):
