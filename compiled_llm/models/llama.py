@@ -7,6 +7,7 @@ flat batch of tokens: it is what Dynamo traces.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,17 +21,26 @@ from compiled_llm.models.layers.linear import Linear, MergedLinear, QKVLinear, l
 from compiled_llm.models.layers.rotary import RotaryEmbedding
 
 
+@dataclass(frozen=True)
+class Biases:
+    """Which projections carry a bias: the families differ (Qwen2: q/k/v only; Llama and Qwen3:
+    q/k/v/o with `attention_bias`; Llama: the MLP with `mlp_bias`)."""
+
+    qkv: bool = False
+    o: bool = False
+    mlp: bool = False
+
+
 class DecoderAttention(nn.Module):
-    def __init__(self, config: Any, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config: Any, rotary: RotaryEmbedding, biases: Biases, qk_norm: bool) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias)
-        o_bias = bool(getattr(config, "attention_bias", False)) and not qk_norm and not qkv_bias
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, biases.qkv)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=biases.o)
         self.rotary_emb = rotary
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
@@ -49,12 +59,12 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, bias: bool) -> None:
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"Unsupported hidden_act {config.hidden_act!r}; only silu is implemented.")
-        self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+        self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2, bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -62,10 +72,10 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config: Any, rotary: RotaryEmbedding, biases: Biases, qk_norm: bool) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(config, rotary, qkv_bias, qk_norm)
-        self.mlp = DecoderMLP(config)
+        self.self_attn = DecoderAttention(config, rotary, biases, qk_norm)
+        self.mlp = DecoderMLP(config, biases.mlp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -83,7 +93,7 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config: Any, biases: Biases, qk_norm: bool) -> None:
         super().__init__()
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
@@ -92,7 +102,7 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, rotary, qkv_bias, qk_norm) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, rotary, biases, qk_norm) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -106,20 +116,23 @@ class DecoderModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    qkv_bias = False
     qk_norm = False
 
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
-        qkv_bias = self.qkv_bias or bool(getattr(config, "attention_bias", False))
-        self.model = DecoderModel(config, qkv_bias, self.qk_norm)
+        self.model = DecoderModel(config, self.biases(config), self.qk_norm)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.cpu_kernel = False  # set by the model runner when the C++ CPU kernels are built
         if self.tie_word_embeddings:
             self.lm_head = None
         else:
             self.lm_head = Linear(config.hidden_size, config.vocab_size)
+
+    @classmethod
+    def biases(cls, config: Any) -> Biases:
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        return Biases(qkv=attention_bias, o=attention_bias, mlp=bool(getattr(config, "mlp_bias", False)))
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

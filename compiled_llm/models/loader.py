@@ -16,11 +16,9 @@ from safetensors import safe_open
 from torch import nn
 
 from compiled_llm.config import ModelConfig
-from compiled_llm.logger import init_logger
 from compiled_llm.models.layers.linear import MergedLinear
 from compiled_llm.models.registry import model_class
 
-logger = init_logger(__name__)
 
 
 @contextmanager
@@ -36,7 +34,10 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 def checkpoint_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as e:
+            raise ValueError(f"{index} is not a safetensors index (no readable weight_map: {e!r}).") from e
         files = [folder / name for name in sorted(set(weight_map.values()))]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
@@ -78,9 +79,11 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
                 target, shard = name.replace(part, fused), shard_id
                 break
         param = params.get(target)
-        if param is None:
-            logger.warning("Ignoring checkpoint tensor %s: the model has no such parameter.", name)
-            continue
+        if param is None:  # a weight this implementation would silently drop: wrong outputs
+            raise ValueError(
+                f"The checkpoint has tensor {name!r}, which {type(model).__name__} has no parameter for "
+                f"(a config feature this engine does not implement?)."
+            )
         owner = model.get_submodule(target.rpartition(".")[0])
         with torch.no_grad():
             if shard is None:
