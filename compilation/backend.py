@@ -148,7 +148,7 @@ class CompilerBackend:
         with self.cache.locked():
             self.cache.prepare()
             artifacts = self._compile_or_load(metas, compile_piece)
-            self.traced = TracedGraph(traced_graph.strip_graph(split), bindings, metas)
+            self.traced = TracedGraph(traced_graph.strip_graph(split, [m.name for m in metas]), bindings, metas)
             traced_graph.save(self.cache.entry, self.traced)
         self._install(split, metas, artifacts)
         return split

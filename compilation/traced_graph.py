@@ -75,14 +75,18 @@ def bind_placeholders(
     return bindings
 
 
-def strip_graph(gm: fx.GraphModule) -> fx.GraphModule:
+def strip_graph(gm: fx.GraphModule, compiled_pieces: Sequence[str] = ()) -> fx.GraphModule:
     """A copy of `gm` (and of its submodule graphs) without tracing metadata: picklable.
 
     The split graph is saved as split: splitting again without the metadata would give the
-    pieces other arguments (split_module adds size arguments from it).
+    pieces other arguments (split_module adds size arguments from it). The graphs of
+    `compiled_pieces` are left out (an empty module stands in): their compiled artifacts replace
+    them at load, and unpickling a graph means generating its code again.
     """
     root = torch.nn.Module()
     for name, child in gm.named_children():
+        if name in compiled_pieces:
+            child = torch.nn.Module()
         setattr(root, name, strip_graph(child) if isinstance(child, fx.GraphModule) else child)
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
