@@ -11,6 +11,7 @@ decode step), and the -O2 / eager ratio. Without a GPU it runs a small smoke ver
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import tempfile
@@ -70,14 +71,22 @@ def main() -> None:
                 tok_s, itl_ms = decode_rate(llm, batch, prompt_len, new_tokens)
                 results[f"O{level}/batch{batch}"] = {"tokens_per_s": tok_s, "itl_ms": itl_ms}
                 print(f"-O{level} batch {batch:3d}: {tok_s:9.1f} tok/s, ITL {itl_ms:7.3f} ms", flush=True)
+                write_results(args.json, on_gpu, results)  # after each figure: a timeout keeps what ran
             del llm
+            gc.collect()
+            if on_gpu:
+                torch.cuda.empty_cache()
     print(f"\n{'batch':>6} " + " ".join(f"{'-O' + l + ' tok/s':>14}" for l in args.levels.split(",")) + "   -O2/eager")
     for batch in batches:
         row = [results.get(f"O{l}/batch{batch}", {}).get("tokens_per_s", float("nan")) for l in args.levels.split(",")]
         ratio = row[-1] / row[0] if row and row[0] else float("nan")
         print(f"{batch:>6} " + " ".join(f"{v:>14.1f}" for v in row) + f"   {ratio:9.2f}x")
-    if args.json:
-        with open(args.json, "w") as f:
+    write_results(args.json, on_gpu, results)
+
+
+def write_results(path: str | None, on_gpu: bool, results: dict[str, dict[str, float]]) -> None:
+    if path:
+        with open(path, "w") as f:
             json.dump({"device": torch.cuda.get_device_name() if on_gpu else "cpu-smoke", "results": results}, f, indent=2)
 
 
