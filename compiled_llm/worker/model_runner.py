@@ -35,6 +35,7 @@ from compiled_llm.worker.sampler import Sampler, SamplingMetadata, SamplerOutput
 logger = init_logger(__name__)
 
 _CPU_DEFAULT_KV_BYTES = 2 << 30
+_CUDA_GRAPH_RESERVE = 1 << 30  # captured graphs live outside the profiling run
 
 
 class ModelRunner:
@@ -90,9 +91,7 @@ class ModelRunner:
         budget = cc.kv_cache_memory_bytes
         if budget is None:
             if self.device.type == "cuda":
-                free, total = torch.cuda.mem_get_info()
-                reserve = total * (1 - cc.gpu_memory_utilization) + 2 * (1 << 30)
-                budget = int(max(free - reserve, per_block * 2))
+                budget = max(self._gpu_kv_budget(), per_block * 2)
             else:
                 # Enough for every sequence at full length if memory allows, within 2 GiB and a
                 # fifth of what is free.
@@ -107,6 +106,50 @@ class ModelRunner:
                 f"or lower max_model_len."
             )
         return num_blocks
+
+    def _gpu_kv_budget(self) -> int:
+        """`gpu_memory_utilization` of the GPU, less what the weights, the largest step's
+        activations (measured by a profiling run), other processes and CUDA graphs need."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        self.profile_run()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        free, total = torch.cuda.mem_get_info()
+        outside_torch = total - free - torch.cuda.memory_reserved()  # CUDA context, other processes
+        cc = self.config.compilation_config
+        graphs = _CUDA_GRAPH_RESERVE if (cc.level or 0) >= 2 and cc.cudagraph_mode is not CUDAGraphMode.NONE else 0
+        budget = int(total * self.config.cache_config.gpu_memory_utilization - peak - outside_torch - graphs)
+        logger.info(
+            "GPU memory: %.2f GiB total, peak of a %d-token step %.2f GiB (weights included), %.2f GiB outside "
+            "torch, %.2f GiB kept for CUDA graphs: %.2f GiB for the KV cache.",
+            total / (1 << 30), self.max_num_tokens, peak / (1 << 30), outside_torch / (1 << 30), graphs / (1 << 30),
+            budget / (1 << 30),
+        )
+        return budget
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """Run the largest step the scheduler can make (max_num_batched_tokens tokens, full-length
+        requests, then logits and a softmax for max_num_seqs rows) against a one-block stand-in KV
+        cache that nothing writes to (every slot is -1): its peak is what serving adds to weights."""
+        mc = self.config.model_config
+        num_tokens = min(self.max_num_tokens, self.max_num_reqs * mc.max_model_len)
+        query_lens = [mc.max_model_len] * (num_tokens // mc.max_model_len)
+        if num_tokens % mc.max_model_len:
+            query_lens.append(num_tokens % mc.max_model_len)
+        scratch = torch.zeros((2, 1, self.block_size, mc.num_kv_heads, mc.head_dim), dtype=mc.dtype, device=self.device)
+        kept = [layer.kv_cache for layer in self.attention_layers]
+        for layer in self.attention_layers:
+            layer.kv_cache = scratch
+        try:
+            with set_forward_context(self.dummy_metadata(num_tokens, query_lens=query_lens)):
+                hidden = self.model_forward(self.input_ids.gpu[:num_tokens], self.positions.gpu[:num_tokens])
+            logits = self.model.compute_logits(hidden[: self.max_num_reqs])
+            torch.softmax(logits.float(), dim=-1)  # the sampler's float32 working copy
+        finally:
+            for layer, cache in zip(self.attention_layers, kept):
+                layer.kv_cache = cache
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         mc = self.config.model_config
@@ -368,12 +411,15 @@ class ModelRunner:
             time.perf_counter() - started, (free_before - torch.cuda.mem_get_info()[0]) / (1 << 30),
         )
 
-    def dummy_metadata(self, num_tokens: int, num_reqs: int = 1) -> AttentionMetadata:
-        """`num_reqs` requests sharing `num_tokens` fresh tokens that write nothing to the KV cache
-        (slot -1, the null block): for tracing and for capturing graphs."""
-        per_req = num_tokens // num_reqs
-        query_lens = np.full(num_reqs, per_req, dtype=np.int64)
-        query_lens[-1] += num_tokens - per_req * num_reqs
+    def dummy_metadata(self, num_tokens: int, num_reqs: int = 1, query_lens: list[int] | None = None) -> AttentionMetadata:
+        """`num_reqs` requests sharing `num_tokens` fresh tokens (or requests of `query_lens`) that
+        write nothing to the KV cache (slot -1, the null block): for tracing, capturing graphs and
+        profiling."""
+        if query_lens is None:
+            per_req = num_tokens // num_reqs
+            query_lens = [per_req] * (num_reqs - 1) + [num_tokens - per_req * (num_reqs - 1)]
+        query_lens = np.asarray(query_lens, dtype=np.int64)
+        num_reqs = len(query_lens)
         starts = np.concatenate([[0], np.cumsum(query_lens)])
         if self._inputs_copied is not None:
             self._inputs_copied.synchronize()
