@@ -20,7 +20,7 @@ from compiled_llm.engine.arg_utils import EngineArgs
 from compiled_llm.engine.core_client import AsyncMPClient, EngineDeadError
 from compiled_llm.engine.messages import EngineCoreOutput
 from compiled_llm.engine.metrics import EngineMetrics
-from compiled_llm.engine.output_processor import OutputProcessor, ParentRequest
+from compiled_llm.engine.output_processor import OutputProcessor
 from compiled_llm.engine.processor import Processor, PromptType
 from compiled_llm.engine.tokenizer import get_tokenizer
 from compiled_llm.logger import init_logger
@@ -143,15 +143,8 @@ class AsyncLLM:
             )
             await self.check_health()
             self.start()
-            if request.sampling_params.n == 1:
-                parent, children = None, [request]
-            else:
-                parent = ParentRequest(request_id, request.sampling_params)
-                children = [parent.child_request(request, i) for i in range(parent.n)]
-            self.output_processor.check_ids_free([child.request_id for child in children])
-            for index, child in enumerate(children):
-                self.output_processor.add_request(child, text, request_id, parent, index, queue=stream)
-                stream.engine_ids.append(child.request_id)
+            children = self.output_processor.add_user_request(request, text, queue=stream)
+            stream.engine_ids.extend(child.request_id for child in children)
             for child in children:
                 await self.client.add_request_async(child)
         except BaseException:

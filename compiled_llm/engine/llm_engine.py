@@ -12,7 +12,7 @@ from compiled_llm.config import EngineConfig
 from compiled_llm.engine.arg_utils import EngineArgs
 from compiled_llm.engine.core_client import InprocClient
 from compiled_llm.engine.messages import EngineCoreRequest
-from compiled_llm.engine.output_processor import OutputProcessor, ParentRequest
+from compiled_llm.engine.output_processor import OutputProcessor
 from compiled_llm.engine.processor import Processor, PromptType
 from compiled_llm.engine.tokenizer import get_tokenizer
 from compiled_llm.outputs import RequestOutput
@@ -40,18 +40,11 @@ class LLMEngine:
         return self.processor.process(request_id, prompt, params, arrival_time)
 
     def add_processed(self, request: EngineCoreRequest, prompt: str | None) -> None:
-        params = request.sampling_params
         external_id = request.request_id
         if external_id in self._engine_ids:
             raise ValueError(f"Request id {external_id!r} is already in use.")
-        if params.n == 1:
-            parent, children = None, [request]
-        else:
-            parent = ParentRequest(external_id, params)
-            children = [parent.child_request(request, index) for index in range(params.n)]
-        self.output_processor.check_ids_free([child.request_id for child in children])
-        for index, child in enumerate(children):
-            self.output_processor.add_request(child, prompt, external_id, parent, index)
+        children = self.output_processor.add_user_request(request, prompt)
+        for child in children:
             self.engine_core_client.add_request(child)
         self._engine_ids[external_id] = [child.request_id for child in children]
 

@@ -97,6 +97,20 @@ class OutputProcessor:
             state.logprobs, state.cumulative_logprob = [], 0.0
         self.states[request.request_id] = state
 
+    def add_user_request(self, request: EngineCoreRequest, prompt: str | None, queue: Any = None) -> list[EngineCoreRequest]:
+        """Register a user's request (for `n > 1`, its children) and return the engine requests to
+        send. Ids already open are refused before anything is registered."""
+        external_id = request.request_id
+        if request.sampling_params.n == 1:
+            parent, children = None, [request]
+        else:
+            parent = ParentRequest(external_id, request.sampling_params)
+            children = [parent.child_request(request, index) for index in range(parent.n)]
+        self.check_ids_free([child.request_id for child in children])
+        for index, child in enumerate(children):
+            self.add_request(child, prompt, external_id, parent, index, queue=queue)
+        return children
+
     def check_ids_free(self, engine_ids: list[str]) -> None:
         """Refuse ids an open request already uses (a user's id can equal another request's
         child id): two requests under one engine id would mix their outputs."""

@@ -192,7 +192,7 @@ class Scheduler:
             num_scheduled,
             sum(num_scheduled.values()),
             self.finished_req_ids,
-            self.preempted_req_ids - self.finished_req_ids,
+            self.preempted_req_ids,
         )
         self.finished_req_ids = set()
         self.preempted_req_ids = set()

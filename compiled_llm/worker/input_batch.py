@@ -84,11 +84,10 @@ class InputBatch:
     def remove(self, req_id: str, keep_sampling_state: bool = False) -> None:
         """Free the request's row. A preempted request (`keep_sampling_state`) keeps its seeded
         generator for when it comes back; otherwise any kept one is forgotten too."""
-        parked = self._parked_generators.pop(req_id, None)
+        if not keep_sampling_state:
+            self._parked_generators.pop(req_id, None)
         row = self.row_of.pop(req_id, None)
         if row is None:
-            if keep_sampling_state and parked is not None:
-                self._parked_generators[req_id] = parked
             return
         if keep_sampling_state and row in self.generators:
             self._parked_generators[req_id] = self.generators[row]

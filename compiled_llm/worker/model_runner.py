@@ -176,7 +176,6 @@ class ModelRunner:
                 batch.append_blocks(row, cached.new_block_ids)
             batch.num_computed_tokens[row] = cached.num_computed_tokens
         for new in out.scheduled_new_reqs:
-            batch.remove(new.req_id, keep_sampling_state=True)  # a preempted request coming back
             batch.add(new.req_id, new.token_ids, new.num_prompt_tokens, new.sampling_params, new.block_ids, new.num_computed_tokens)
 
     @torch.inference_mode()
