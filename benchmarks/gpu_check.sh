@@ -29,7 +29,7 @@ cat "$OUT/env.txt"
 
 status=0
 # Only the folders with cuda tests: the server tests import packages the GPU image lacks.
-timeout 300 python3 -m pytest -q -m cuda -p no:cacheprovider tests/compilation tests/kernels tests/worker 2>&1 | tee "$OUT/cuda_tests.log"
+timeout 270 python3 -m pytest -q -rfE --tb=short -m cuda -p no:cacheprovider tests/compilation tests/kernels tests/worker 2>&1 | tee "$OUT/cuda_tests.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 timeout 240 python3 benchmarks/gpu_decode.py --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1

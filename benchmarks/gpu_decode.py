@@ -14,8 +14,10 @@ import argparse
 import gc
 import json
 import statistics
+import sys
 import tempfile
 import time
+import traceback
 
 import torch
 
@@ -60,19 +62,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_dummy_model(f"{tmp}/model", config)
         for level in [int(x) for x in args.levels.split(",")]:
-            started = time.perf_counter()
-            llm = LLM(folder, load_format="dummy", dtype="bfloat16" if on_gpu else "float32", optimization_level=level,
-                      compile_cache=f"{tmp}/cache", max_model_len=1024, max_num_seqs=max(batches),
-                      max_num_batched_tokens=max(512, max(batches) * prompt_len),
-                      kv_cache_memory_bytes=(4 << 30) if on_gpu else (64 << 20))
-            print(f"-O{level}: engine ready in {time.perf_counter() - started:.1f} s", flush=True)
-            decode_rate(llm, 1, prompt_len, 8)  # warm-up
-            for batch in batches:
-                tok_s, itl_ms = decode_rate(llm, batch, prompt_len, new_tokens)
-                results[f"O{level}/batch{batch}"] = {"tokens_per_s": tok_s, "itl_ms": itl_ms}
-                print(f"-O{level} batch {batch:3d}: {tok_s:9.1f} tok/s, ITL {itl_ms:7.3f} ms", flush=True)
-                write_results(args.json, on_gpu, results)  # after each figure: a timeout keeps what ran
-            del llm
+            try:
+                run_level(level, folder, f"{tmp}/cache", on_gpu, batches, prompt_len, new_tokens, results, args.json)
+            except Exception:  # one level failing must not hide the others' figures (one GPU try)
+                traceback.print_exc()
+                results[f"O{level}/error"] = {"failed": 1.0}
+                write_results(args.json, on_gpu, results)
             gc.collect()
             if on_gpu:
                 torch.cuda.empty_cache()
@@ -82,6 +77,24 @@ def main() -> None:
         ratio = row[-1] / row[0] if row and row[0] else float("nan")
         print(f"{batch:>6} " + " ".join(f"{v:>14.1f}" for v in row) + f"   {ratio:9.2f}x")
     write_results(args.json, on_gpu, results)
+    if any(key.endswith("/error") for key in results):
+        sys.exit(1)
+
+
+def run_level(level: int, folder: str, cache: str, on_gpu: bool, batches: list[int], prompt_len: int,
+              new_tokens: int, results: dict[str, dict[str, float]], json_path: str | None) -> None:
+    started = time.perf_counter()
+    llm = LLM(folder, load_format="dummy", dtype="bfloat16" if on_gpu else "float32", optimization_level=level,
+              compile_cache=cache, max_model_len=1024, max_num_seqs=max(batches),
+              max_num_batched_tokens=max(512, max(batches) * prompt_len),
+              kv_cache_memory_bytes=(4 << 30) if on_gpu else (64 << 20))
+    print(f"-O{level}: engine ready in {time.perf_counter() - started:.1f} s", flush=True)
+    decode_rate(llm, 1, prompt_len, 8)  # warm-up
+    for batch in batches:
+        tok_s, itl_ms = decode_rate(llm, batch, prompt_len, new_tokens)
+        results[f"O{level}/batch{batch}"] = {"tokens_per_s": tok_s, "itl_ms": itl_ms}
+        print(f"-O{level} batch {batch:3d}: {tok_s:9.1f} tok/s, ITL {itl_ms:7.3f} ms", flush=True)
+        write_results(json_path, on_gpu, results)  # after each figure: a timeout keeps what ran
 
 
 def write_results(path: str | None, on_gpu: bool, results: dict[str, dict[str, float]]) -> None:
