@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One prepared GPU check (issue 5), meant to finish in well under 8 minutes on an H200:
 #   1. the `cuda`-marked tests (CUDA-graph wrapper, Triton kernels on the GPU, -O2 end to end);
-#   2. benchmarks/gpu_decode.py: decode tok/s and ITL, eager vs -O1 vs -O2, batch 1/8/64.
+#   2. benchmarks/gpu_decode.py: decode tok/s and ITL, eager vs -O1 vs -O2 vs HF transformers,
+#      batch 1/8/64, medians of 3 runs.
 # Results go under $OUT when set (the device tool), else ./gpu_check_out. On a machine without
 # a GPU it runs too: the cuda tests skip and the benchmark runs a CPU smoke version.
 # The GPU image has no msgspec/pyzmq (nor openai, fastapi, uvicorn): run benchmarks/fetch_gpu_wheels.sh
