@@ -1,6 +1,6 @@
 """`compiled-llm serve` as a user starts it on a GPU (its defaults there: -O2, bf16, the KV cache
 sized by a profiling run), on a model of SmolLM2-135M's shape with random weights, loaded by
-streaming /v1/completions clients at concurrency 1, 8 and 64.
+streaming /v1/completions clients at concurrency 1, 8 and 32.
 
 Reports, per level, requests/s, output tokens/s and median/p99 TTFT and ITL at the client, and
 checks what a user relies on: every request gets all its tokens, /metrics answers, the server
@@ -44,7 +44,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--server-log", default=None, help="copy the server's log here")
     parser.add_argument("--num-prompts", type=int, default=32)
-    parser.add_argument("--concurrency", default="1,8,64")
+    parser.add_argument("--concurrency", default="1,8,32")
     args = parser.parse_args()
     on_gpu = torch.cuda.is_available()
     config = dict(SMOLLM2_135M)
