@@ -86,7 +86,7 @@ class OutputProcessor:
         index: int = 0,
         queue: Any = None,
     ) -> None:
-        self.check_ids_free([request.request_id])
+        """One engine request's state (its ids were checked free by `add_user_request`)."""
         params = request.sampling_params
         detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params) if params.detokenize else None
         state = RequestState(

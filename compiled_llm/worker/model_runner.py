@@ -117,8 +117,7 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated()
         free, total = torch.cuda.mem_get_info()
         outside_torch = total - free - torch.cuda.memory_reserved()  # CUDA context, other processes
-        cc = self.config.compilation_config
-        graphs = _CUDA_GRAPH_RESERVE if (cc.level or 0) >= 2 and cc.cudagraph_mode is not CUDAGraphMode.NONE else 0
+        graphs = _CUDA_GRAPH_RESERVE if self.captures_cudagraphs else 0
         budget = int(total * self.config.cache_config.gpu_memory_utilization - peak - outside_torch - graphs)
         logger.info(
             "GPU memory: %.2f GiB total, peak of a %d-token step %.2f GiB (weights included), %.2f GiB outside "
@@ -189,13 +188,13 @@ class ModelRunner:
         rows = np.fromiter((batch.row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
         num_sched = np.fromiter((out.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
         total = int(num_sched.sum())
+        num_decodes = int(np.count_nonzero(num_sched == 1))  # sorted first
         mode, descriptor = CUDAGraphMode.NONE, None
         if self.dispatcher is not None:
-            uniform = bool((num_sched == 1).all())
-            mode, descriptor = self.dispatcher.dispatch(total, uniform)
+            mode, descriptor = self.dispatcher.dispatch(total, num_decodes == len(req_ids))
         padded_tokens = descriptor.num_tokens if descriptor is not None else total
         padded_reqs = descriptor.num_reqs if descriptor is not None and descriptor.num_reqs else len(req_ids)
-        metadata, seq_lens = self.prepare_inputs(rows, num_sched, padded_tokens, padded_reqs)
+        metadata, seq_lens = self.prepare_inputs(rows, num_sched, num_decodes, padded_tokens, padded_reqs)
         with set_forward_context(metadata, mode, descriptor):
             hidden = self.model_forward(self.input_ids.gpu[:padded_tokens], self.positions.gpu[:padded_tokens])
 
@@ -219,18 +218,17 @@ class ModelRunner:
         return ModelRunnerOutput(req_ids, sampled_lists, logprobs)
 
     def prepare_inputs(
-        self, rows: np.ndarray, num_sched: np.ndarray, padded_tokens: int, padded_reqs: int
+        self, rows: np.ndarray, num_sched: np.ndarray, num_decodes: int, padded_tokens: int, padded_reqs: int
     ) -> tuple[AttentionMetadata, np.ndarray]:
-        """Fill the persistent buffers with the flat batch of `rows` (decodes first), padded to
-        `padded_tokens` tokens and `padded_reqs` requests for a CUDA graph: padded tokens have
-        slot -1 (no KV write), padded requests the null block, length 0 and the last offset.
-        Returns the metadata (views of the buffers, sized to the padded batch) and the requests'
-        sequence lengths."""
+        """Fill the persistent buffers with the flat batch of `rows` (its `num_decodes` decodes
+        first), padded to `padded_tokens` tokens and `padded_reqs` requests for a CUDA graph:
+        padded tokens have slot -1 (no KV write), padded requests the null block, length 0 and
+        the last offset. Returns the metadata (views of the buffers, sized to the padded batch)
+        and the requests' sequence lengths."""
         batch = self.batch
         if self._inputs_copied is not None:
             self._inputs_copied.synchronize()
         num_reqs = len(rows)
-        num_decodes = int(np.count_nonzero(num_sched == 1)) if num_sched[0] == 1 else 0
         cu = np.cumsum(num_sched)
         total = int(cu[-1])
         computed = batch.num_computed_tokens[rows]
@@ -359,11 +357,16 @@ class ModelRunner:
     def compile_or_warm_up(self) -> None:
         """At -O1 and above: compile (or load) every piece now; at -O2 on a GPU also capture the
         CUDA graphs. Nothing is compiled or captured later, while serving."""
-        cc = self.config.compilation_config
-        if cc.level:
+        if self.config.compilation_config.level:
             self.compile()
-        if self.device.type == "cuda" and (cc.level or 0) >= 2 and cc.cudagraph_mode is not CUDAGraphMode.NONE:
+        if self.captures_cudagraphs:
             self.capture_cudagraphs()
+
+    @property
+    def captures_cudagraphs(self) -> bool:
+        """-O2 on a GPU with a CUDA-graph mode: graphs are captured at start-up."""
+        cc = self.config.compilation_config
+        return self.device.type == "cuda" and (cc.level or 0) >= 2 and cc.cudagraph_mode is not CUDAGraphMode.NONE
 
     def compile(self) -> None:
         cc = self.config.compilation_config
@@ -448,7 +451,6 @@ def compile_cache_factors(config: EngineConfig, model: torch.nn.Module | None = 
     from compiled_llm.models.registry import model_class
 
     mc = config.model_config
-    had_model = model is not None
     if model is None:
         with torch.device("meta"):
             model = model_class(mc.architecture)(mc.hf_config)
@@ -459,7 +461,7 @@ def compile_cache_factors(config: EngineConfig, model: torch.nn.Module | None = 
         compilation_config=config.compilation_config,
         max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
         source_files=package_sources() + model_sources(model),
-        cpu_kernels=any(getattr(m, "cpu_kernel", False) for m in model.modules()) if had_model else uses_cpu_kernels(config),
+        cpu_kernels=uses_cpu_kernels(config),  # what the runner sets on the model's layers
     )
 
 

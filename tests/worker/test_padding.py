@@ -39,9 +39,9 @@ def test_padded_steps_give_the_same_tokens_and_write_no_kv(tiny_llama, unpadded)
     seen = []
     prepare = runner.prepare_inputs
 
-    def spy(rows, num_sched, padded_tokens, padded_reqs):
+    def spy(rows, num_sched, num_decodes, padded_tokens, padded_reqs):
         seen.append((int(num_sched.sum()), len(rows), padded_tokens, padded_reqs))
-        return prepare(rows, num_sched, padded_tokens, padded_reqs)
+        return prepare(rows, num_sched, num_decodes, padded_tokens, padded_reqs)
 
     runner.prepare_inputs = spy
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
@@ -63,7 +63,7 @@ def test_padded_tails_of_the_buffers(tiny_llama):
     runner = engine.engine_core.runner
     rows = np.array([runner.batch.row_of["a"], runner.batch.row_of["b"]])
     runner.batch.num_computed_tokens[rows] = runner.batch.num_tokens[rows] - 1
-    metadata, _ = runner.prepare_inputs(rows, np.array([1, 1]), padded_tokens=4, padded_reqs=4)
+    metadata, _ = runner.prepare_inputs(rows, np.array([1, 1]), num_decodes=2, padded_tokens=4, padded_reqs=4)
     assert metadata.num_actual_tokens == 2 and metadata.num_reqs == 4
     assert metadata.slot_mapping.tolist()[2:] == [-1, -1]
     assert metadata.query_start_loc.tolist() == [0, 1, 2, 2, 2]  # padded requests own no tokens

@@ -4,10 +4,13 @@ runner as it was."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
 from compiled_llm import LLM, SamplingParams
+from compiled_llm.models.dummy import write_dummy_model
 
 
 @pytest.mark.parametrize("max_num_seqs, max_num_batched_tokens", [(4, 600), (2, 512)])
@@ -33,10 +36,6 @@ def test_profile_run_takes_the_largest_step_and_writes_nothing(tiny_llama, max_n
 def test_gpu_kv_cache_takes_what_the_memory_utilization_leaves(tmp_path):
     """On a GPU, with no explicit kv_cache_memory_bytes: the KV cache gets the utilization's share
     less the profiled step, and the process stays inside that share."""
-    import gc
-
-    from compiled_llm.models.dummy import write_dummy_model
-
     gc.collect()
     torch.cuda.empty_cache()
     folder = write_dummy_model(tmp_path / "smollm2-shape")
