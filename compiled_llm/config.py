@@ -79,6 +79,7 @@ class ModelConfig:
     eos_token_ids: list[int]
     served_model_name: str
     seed: int = 0
+    max_logprobs: int = 20  # the most logprobs (and top_logprobs) a request may ask for
 
     @property
     def architecture(self) -> str:

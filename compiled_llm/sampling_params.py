@@ -11,6 +11,7 @@ from enum import IntEnum
 import msgspec
 
 _SAMPLING_EPS = 1e-5
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 class RequestOutputKind(IntEnum):
@@ -60,7 +61,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         def bad(field: str, why: str) -> ValueError:
             return ValueError(f"{field} {why}, got {getattr(self, field)!r}.")
 
-        if not isinstance(self.n, int) or self.n < 1:
+        for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int) and _INT64_MIN <= value <= _INT64_MAX):
+                raise bad(name, "must be an integer within int64")
+        if self.n < 1:
             raise bad("n", "must be an integer >= 1")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise bad("presence_penalty", "must be in [-2, 2]")
@@ -84,11 +89,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and self.logprobs < 0:
             raise bad("logprobs", "must be non-negative")
-        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
-            raise bad("seed", "is out of range")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise bad("stop", "must hold non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not isinstance(t, int) or not 0 <= t <= _INT64_MAX for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must hold non-negative token ids")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True.")

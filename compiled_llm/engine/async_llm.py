@@ -17,6 +17,7 @@ from typing import Any, AsyncGenerator, Callable, Iterable
 
 from compiled_llm.config import EngineConfig
 from compiled_llm.engine.arg_utils import EngineArgs
+from compiled_llm.engine.chat_templates import ChatTemplateRenderer
 from compiled_llm.engine.core_client import AsyncMPClient, EngineDeadError
 from compiled_llm.engine.messages import EngineCoreOutput
 from compiled_llm.engine.metrics import EngineMetrics
@@ -88,6 +89,8 @@ class AsyncLLM:
         # One thread: HF tokenizers are not meant to be used from several threads at once.
         self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
         self.client = AsyncMPClient(config, engine_timeout_s)
+        # Started once the engine is up, so that they load while the server starts.
+        self.chat_renderer = ChatTemplateRenderer(config.model_config.model)
         self._streams: dict[str, RequestStream] = {}
         self._handler: asyncio.Task | None = None
         self.dead_error: EngineDeadError | None = None
@@ -195,9 +198,9 @@ class AsyncLLM:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return await self._in_tokenizer_thread(
-            lambda: self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
-        )
+        """Token ids of `text`; a text too long for the context is refused (ValueError) unread."""
+        self.processor.check_text_size(text)
+        return await self._in_tokenizer_thread(self.processor.encode, text, add_special_tokens)
 
     async def detokenize(self, token_ids: list[int]) -> str:
         return await self._in_tokenizer_thread(self.tokenizer.decode, token_ids)
@@ -209,16 +212,13 @@ class AsyncLLM:
         chat_template: str | None = None,
         **template_kwargs: Any,
     ) -> tuple[str, list[int]]:
-        """Render a conversation with the model's chat template; returns (text, token ids)."""
-
-        def render() -> tuple[str, list[int]]:
-            text = self.tokenizer.apply_chat_template(
-                messages, chat_template=chat_template, tokenize=False,
-                add_generation_prompt=add_generation_prompt, **template_kwargs,
-            )
-            return text, self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-        return await self._in_tokenizer_thread(render)
+        """Render a conversation with the model's chat template (or `chat_template`) in a render
+        worker, within its deadline; returns (text, token ids). Raises `ChatTemplateError` (a
+        ValueError) when the template fails and ValueError when the text cannot fit."""
+        text = await self.chat_renderer.render(
+            messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt, **template_kwargs
+        )
+        return text, await self.tokenize(text, add_special_tokens=False)
 
     # ---- the output handler ------------------------------------------------------------------
     async def _handle_outputs(self) -> None:
@@ -256,4 +256,5 @@ class AsyncLLM:
             self._handler.cancel()
         self._end_streams(EngineDeadError("The engine was shut down."))
         self.client.shutdown()
-        self._tokenizer_pool.shutdown(wait=False)
+        self.chat_renderer.shutdown()
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)

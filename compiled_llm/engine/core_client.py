@@ -113,6 +113,10 @@ class AsyncMPClient:
         self._last_heard = time.monotonic()
         self._utility_calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
+        # Messages to the engine, in order, for the sender task: the event loop never blocks on a
+        # full socket, and a burst (n children, many clients) waits for room instead of failing.
+        self._send_queue: asyncio.Queue[list[bytes]] | None = None
+        self._sender: asyncio.Task | None = None
 
         mp = multiprocessing.get_context("spawn")
         self._conn, child_conn = mp.Pipe()
@@ -166,7 +170,10 @@ class AsyncMPClient:
 
     def _ensure_receiving(self) -> None:
         if self._receiver is None and not self._closed:
-            self._receiver = asyncio.get_running_loop().create_task(self._receive_outputs(), name="EngineCoreOutputs")
+            loop = asyncio.get_running_loop()
+            self._receiver = loop.create_task(self._receive_outputs(), name="EngineCoreOutputs")
+            self._send_queue = asyncio.Queue()
+            self._sender = loop.create_task(self._send_inputs(), name="EngineCoreInputs")
 
     def start(self) -> None:
         """Start watching the engine from the running event loop (otherwise the first call does)."""
@@ -235,6 +242,8 @@ class AsyncMPClient:
             return
         logger.error("%s", error)
         self.dead_error = error
+        if self._sender is not None:
+            self._sender.cancel()  # it may wait for room that a dead engine never makes
         for future in self._utility_calls.values():
             if not future.done():
                 future.set_exception(EngineDeadError(str(error)))
@@ -253,18 +262,28 @@ class AsyncMPClient:
 
     # ---- requests --------------------------------------------------------------------------
     def _send(self, kind: RequestType, data: bytes) -> None:
+        """Queue a message for the sender task (in order; never blocks, never fails on a burst)."""
         if self.dead_error is not None:
             raise EngineDeadError(str(self.dead_error))
         if self._closed:
             raise EngineDeadError("The engine core client is shut down.")
-        try:
-            # Never blocks the event loop: the engine's input thread drains the socket at once,
-            # so a full queue means it is not reading any more.
-            self.input_socket.send_multipart([kind.value, data], flags=zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            self.proc.kill()
-            self._mark_dead(EngineDeadError("The engine core stopped reading its input; it was killed."))
-            raise EngineDeadError(str(self.dead_error))
+        self._ensure_receiving()
+        assert self._send_queue is not None
+        self._send_queue.put_nowait([kind.value, data])
+
+    async def _send_inputs(self) -> None:
+        """Write queued messages to the engine's socket. When its queue is full (the engine's input
+        thread has not drained a burst yet), wait for room: whether the engine is dead is decided
+        by its process (exit, or silence with work in flight), never by a full queue."""
+        assert self._send_queue is not None
+        while True:
+            frames = await self._send_queue.get()
+            while True:
+                try:
+                    self.input_socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                    break
+                except zmq.Again:
+                    await asyncio.sleep(0.002)
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         self._ensure_receiving()
@@ -308,8 +327,9 @@ class AsyncMPClient:
             except zmq.ZMQError:
                 pass
         self._closed = True
-        if self._receiver is not None and not self._receiver.done() and not self._receiver.get_loop().is_closed():
-            self._receiver.cancel()
+        for task in (self._receiver, self._sender):
+            if task is not None and not task.done() and not task.get_loop().is_closed():
+                task.cancel()
         self._finalizer()
         self.input_socket.close(linger=0)
         self.output_socket.close(linger=0)

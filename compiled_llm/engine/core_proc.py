@@ -28,6 +28,7 @@ import zmq
 from compiled_llm.config import EngineConfig
 from compiled_llm.engine.engine_core import EngineCore
 from compiled_llm.engine.messages import (
+    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     RequestType,
@@ -67,6 +68,31 @@ def run_utility(engine: EngineCore, request: UtilityRequest) -> tuple[int, Any, 
     except Exception as e:  # a failed utility call is the caller's answer, not the engine's death
         logger.exception("Utility call %s failed.", request.method)
         return request.call_id, None, f"{type(e).__name__}: {e}"
+
+
+class _Refused(msgspec.Struct):
+    """A message the input thread could not decode, but whose sender waits for an answer:
+    a request (its id) or a utility call (its call id)."""
+
+    kind: RequestType
+    id: str | int
+    error: str
+
+
+def _salvage_id(kind: RequestType, frame: bytes) -> str | int | None:
+    """The request id (or utility call id) of an undecodable ADD (or UTILITY) message, if any:
+    its sender is told why instead of waiting for ever."""
+    try:
+        raw = msgspec.msgpack.decode(frame)
+    except msgspec.DecodeError:
+        return None
+    if not isinstance(raw, list) or not raw:
+        return None
+    if kind == RequestType.ADD and isinstance(raw[0], str):
+        return raw[0]
+    if kind == RequestType.UTILITY and isinstance(raw[0], int) and not isinstance(raw[0], bool):
+        return raw[0]
+    return None
 
 
 class EngineCoreProc:
@@ -111,11 +137,14 @@ class EngineCoreProc:
                 self.output_queue.put(engine.step())
 
     def _handle(self, kind: RequestType, data: Any) -> None:
+        if isinstance(data, _Refused):
+            self._refuse(data.kind, data.id, data.error)
+            return
         if kind == RequestType.ADD:
             try:
                 self.engine.add_request(data)
-            except ValueError as e:  # the frontends refuse reused ids first; never die of one
-                logger.error("Refused request %r: %s", data.request_id, e)
+            except ValueError as e:  # the frontend checks first; the engine never dies of a request
+                self._refuse(kind, data.request_id, str(e))
                 return
         elif kind == RequestType.ABORT:
             self.engine.abort_requests(data)
@@ -125,6 +154,14 @@ class EngineCoreProc:
         elif kind == RequestType.SHUTDOWN:
             self._shutdown_requested = True
         self._stats_stale = True
+
+    def _refuse(self, kind: RequestType, id: str | int, error: str) -> None:
+        logger.error("Refused %s %r: %s", "request" if kind == RequestType.ADD else "utility call", id, error)
+        if kind == RequestType.ADD:
+            output = EngineCoreOutput(str(id), [], finish_reason="error", stop_reason=error)
+            self.output_queue.put(EngineCoreOutputs([output], timestamp=time.time()))
+        else:
+            self.output_queue.put(EngineCoreOutputs(utility_output=(int(id), None, error)))
 
     def report_dead(self) -> None:
         self.output_queue.put(EngineCoreOutputs(engine_dead=True, timestamp=time.time()))
@@ -152,11 +189,18 @@ class EngineCoreProc:
                 frames = sock.recv_multipart()
                 try:
                     kind = RequestType(frames[0])
-                    decoder = decoders.get(kind)
-                    data = decoder.decode(frames[1]) if decoder is not None else None
-                except (ValueError, IndexError, msgspec.DecodeError) as e:
-                    logger.error("Dropped a malformed message to the engine core: %s", e)
+                except ValueError:
+                    logger.error("Dropped a message of unknown type %r to the engine core.", frames[0][:8])
                     continue
+                decoder = decoders.get(kind)
+                try:
+                    data = decoder.decode(frames[1]) if decoder is not None else None
+                except (IndexError, msgspec.DecodeError) as e:
+                    found = _salvage_id(kind, frames[1]) if len(frames) > 1 else None
+                    if found is None:
+                        logger.error("Dropped a malformed %s message to the engine core: %s", kind.name, e)
+                        continue
+                    data = _Refused(kind, found, f"Malformed {kind.name} message: {e}")
                 self.input_queue.put((kind, data))
         finally:
             sock.close(linger=0)

@@ -34,7 +34,29 @@ class EngineCore:
         self.startup_seconds = time.perf_counter() - started
         logger.info("Engine core ready in %.2f s.", self.startup_seconds)
 
+    def check_request(self, request: EngineCoreRequest) -> None:
+        """Refuse (ValueError) what the model cannot run. The frontend checks the same first; the
+        engine checks again because a bad request here would kill it, and with it every other one."""
+        mc = self.config.model_config
+        ids = request.prompt_token_ids
+        if not ids:
+            raise ValueError("The prompt is empty.")
+        if len(ids) > mc.max_model_len:
+            raise ValueError(f"The prompt is {len(ids)} tokens long, more than max_model_len={mc.max_model_len}.")
+        if min(ids) < 0 or max(ids) >= mc.vocab_size:
+            bad = next(t for t in ids if not 0 <= t < mc.vocab_size)
+            raise ValueError(f"Token id {bad} is out of the vocabulary (size {mc.vocab_size}).")
+        params = request.sampling_params
+        if params.n != 1:
+            raise ValueError(f"The engine runs one sequence per request (the frontend fans out n), got n={params.n}.")
+        if params.logprobs is not None and params.logprobs > mc.max_logprobs:
+            raise ValueError(f"logprobs must be at most {mc.max_logprobs}, got {params.logprobs}.")
+        bad_stops = [t for t in params.stop_token_ids or [] if t >= mc.vocab_size]
+        if bad_stops:
+            raise ValueError(f"stop_token_ids holds {bad_stops[0]}, outside the vocabulary (size {mc.vocab_size}).")
+
     def add_request(self, request: EngineCoreRequest) -> None:
+        self.check_request(request)
         self.scheduler.add_request(
             Request(
                 request.request_id,

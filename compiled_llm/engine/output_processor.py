@@ -32,7 +32,9 @@ class ParentRequest:
         return f"{index}_{self.request_id}"
 
     def child_params(self, index: int) -> SamplingParams:
-        seed = None if self.params.seed is None else self.params.seed + index
+        seed = self.params.seed
+        if seed is not None:  # child i draws from seed + i, wrapped into int64
+            seed = (seed + index + 2**63) % 2**64 - 2**63
         return self.params.clone(n=1, seed=seed)
 
     def child_request(self, request: EngineCoreRequest, index: int) -> EngineCoreRequest:
@@ -156,6 +158,10 @@ class OutputProcessor:
                 del self.states[out.request_id]
             if self.on_output is not None:
                 self.on_output(state, out)
+            if finish_reason == "error" and state.queue is not None:
+                # The engine refused the request: its reader gets the reason as an error.
+                state.queue.put(ValueError(str(stop_reason)))
+                continue
             result = self._make_output(state, finish_reason, stop_reason)
             if result is not None:
                 if state.queue is not None:

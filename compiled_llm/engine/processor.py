@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from functools import cached_property
 from typing import Any, Union
 
 from compiled_llm.config import ModelConfig
@@ -12,24 +13,47 @@ from compiled_llm.sampling_params import SamplingParams
 # A prompt: text, token ids, or vLLM's dict forms.
 PromptType = Union[str, list[int], dict[str, Any]]
 
-MAX_LOGPROBS = 20
-
 
 class Processor:
     def __init__(self, model_config: ModelConfig, tokenizer: Any) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
-        self.vocab_size = max(model_config.vocab_size, len(tokenizer))
+        # The embedding's rows: a larger id cannot be looked up (a tokenizer may know more tokens).
+        self.vocab_size = model_config.vocab_size
+
+    @cached_property
+    def max_prompt_bytes(self) -> int:
+        """No text longer than this fits in `max_model_len` tokens: no token spells more than the
+        longest vocabulary entry (in UTF-8, which is at least the bytes it covers for byte-level
+        BPE and SentencePiece vocabularies alike). A longer text is refused before the tokenizer
+        spends seconds on it."""
+        longest = max((len(token.encode("utf-8", "replace")) for token in self.tokenizer.get_vocab()), default=1)
+        return self.model_config.max_model_len * max(longest, 1)
+
+    def check_text_size(self, text: str) -> None:
+        if len(text) * 4 < self.max_prompt_bytes:  # a character is at most 4 UTF-8 bytes
+            return
+        size = len(text.encode("utf-8", "replace"))
+        if size > self.max_prompt_bytes:
+            raise ValueError(
+                f"The prompt is {size} bytes long: more than fits in the maximum context length of "
+                f"{self.model_config.max_model_len} tokens (at most {self.max_prompt_bytes} bytes)."
+            )
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`, refusing (ValueError) a text too long to fit before tokenizing it."""
+        self.check_text_size(text)
+        return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            return prompt, self.tokenizer(prompt)["input_ids"]
+            return prompt, self.encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             if "prompt" in prompt:
                 text = prompt["prompt"]
-                return text, self.tokenizer(text)["input_ids"]
+                return text, self.encode(text)
             raise ValueError("A prompt dict needs 'prompt' or 'prompt_token_ids'.")
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
             return None, list(prompt)
@@ -64,8 +88,9 @@ class Processor:
         bad = [t for t in params.stop_token_ids or [] if t >= self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids holds {bad[0]}, outside the vocabulary (size {self.vocab_size}).")
-        if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be at most {MAX_LOGPROBS}, got {params.logprobs}.")
+        limit = self.model_config.max_logprobs
+        if params.logprobs is not None and params.logprobs > limit:
+            raise ValueError(f"logprobs must be at most {limit}, got {params.logprobs}.")
         room = max_len - len(token_ids)
         if params.max_tokens is None:
             params = params.clone(max_tokens=max(room, 1))

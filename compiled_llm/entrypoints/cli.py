@@ -28,6 +28,13 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1", help="Address to bind (default: 127.0.0.1, this machine only).")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--api-key", default=None, help="Require `Authorization: Bearer KEY` on /v1 and tokenizer routes.")
+    g.add_argument("--max-n", type=int, default=128,
+                   help="The most parallel samples (n, best_of) one request may ask for (default: 128).")
+    g.add_argument("--max-request-body-bytes", type=int, default=None,
+                   help="Larger request bodies get a 413 (default: twice the longest prompt that fits the "
+                        "context, at least 8 MiB).")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="Accept a `chat_template` sent with a request (it is code; off by default).")
     g.add_argument("--engine-timeout", type=float, default=120.0,
                    help="Seconds without any engine output, while requests are open, after which the engine "
                         "counts as hung and the server exits (default: 120).")

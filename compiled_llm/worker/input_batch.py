@@ -71,7 +71,8 @@ class InputBatch:
         generator = self._parked_generators.pop(req_id, None)
         if generator is None and params.seed is not None:
             generator = torch.Generator(device=self.device)
-            generator.manual_seed(params.seed % (2**63))
+            # Two's complement: every int64 seed is its own uint64 stream (-1 is not 2**63 - 1).
+            generator.manual_seed(params.seed & 0xFFFF_FFFF_FFFF_FFFF)
         if generator is not None:
             self.generators[row] = generator
         return row

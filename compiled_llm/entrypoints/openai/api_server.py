@@ -21,13 +21,18 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.datastructures import Headers
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from compiled_llm import __version__
 from compiled_llm.engine.arg_utils import EngineArgs
 from compiled_llm.engine.async_llm import AsyncLLM
 from compiled_llm.engine.core_client import EngineStartupError
-from compiled_llm.entrypoints.openai.errors import engine_dead_message, error_response, install_error_handlers
+from compiled_llm.entrypoints.openai.errors import (
+    RequestTooLarge,
+    engine_dead_message,
+    error_response,
+    install_error_handlers,
+)
 from compiled_llm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -38,6 +43,7 @@ from compiled_llm.entrypoints.openai.protocol import (
 )
 from compiled_llm.entrypoints.openai.serving_chat import OpenAIServingChat
 from compiled_llm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from compiled_llm.entrypoints.openai.serving_engine import ServingOptions
 from compiled_llm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from compiled_llm.logger import init_logger
 
@@ -69,6 +75,43 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class BodySizeLimitMiddleware:
+    """413 for a request body over `max_bytes`, told by its Content-Length or counted as it
+    arrives, before the app parses (and holds) any of it."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            response = error_response(RequestTooLarge(self.max_bytes).detail, 413)
+            await response(scope, receive, send)
+            return
+        received = 0
+
+        async def counted_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise RequestTooLarge(self.max_bytes)  # an HTTPException: the app answers 413
+            return message
+
+        await self.app(scope, counted_receive, send)
+
+
+def default_max_body_bytes(engine: AsyncLLM) -> int:
+    """Room for the longest prompt that can fit the context, twice over (JSON escapes, chat
+    messages around it), and never under 8 MiB."""
+    return max(8 << 20, 2 * engine.processor.max_prompt_bytes + (1 << 20))
+
+
 async def _exit_when_engine_dies(engine: AsyncLLM, on_engine_dead: Callable[[], None]) -> None:
     error = await engine.wait_until_dead()
     logger.error("The engine died (%s); the server exits so that a supervisor can restart it.", error)
@@ -77,7 +120,11 @@ async def _exit_when_engine_dies(engine: AsyncLLM, on_engine_dead: Callable[[], 
 
 
 def build_app(
-    engine: AsyncLLM, api_key: str | None = None, on_engine_dead: Callable[[], None] | None = None
+    engine: AsyncLLM,
+    api_key: str | None = None,
+    on_engine_dead: Callable[[], None] | None = None,
+    options: ServingOptions | None = None,
+    max_request_body_bytes: int | None = None,
 ) -> FastAPI:
     name = engine.model_config.served_model_name
 
@@ -97,9 +144,10 @@ def build_app(
     install_error_handlers(app)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
-    completions = OpenAIServingCompletion(engine, name)
-    chat = OpenAIServingChat(engine, name)
-    tokenization = OpenAIServingTokenization(engine, name)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes or default_max_body_bytes(engine))
+    completions = OpenAIServingCompletion(engine, name, options)
+    chat = OpenAIServingChat(engine, name, options)
+    tokenization = OpenAIServingTokenization(engine, name, options)
 
     @app.get("/health")
     async def health() -> Response:
@@ -130,7 +178,7 @@ def build_app(
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> JSONResponse:
-        return JSONResponse((await tokenization.tokenize(request)).model_dump())
+        return JSONResponse((await tokenization.tokenize_request(request)).model_dump())
 
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> JSONResponse:
@@ -159,7 +207,10 @@ async def _announce_when_ready(server: uvicorn.Server, engine: AsyncLLM, url: st
     logger.info("Ready: serving %s at %s/v1", engine.model_config.served_model_name, url)
 
 
-async def serve_http(engine: AsyncLLM, host: str, port: int, api_key: str | None) -> None:
+async def serve_http(
+    engine: AsyncLLM, host: str, port: int, api_key: str | None, options: ServingOptions | None = None,
+    max_request_body_bytes: int | None = None,
+) -> None:
     loop = asyncio.get_running_loop()
     server: _Server | None = None
 
@@ -167,7 +218,7 @@ async def serve_http(engine: AsyncLLM, host: str, port: int, api_key: str | None
         assert server is not None
         server.should_exit = True
 
-    app = build_app(engine, api_key, on_engine_dead)
+    app = build_app(engine, api_key, on_engine_dead, options, max_request_body_bytes)
     config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
     server = _Server(config, engine, loop)
     announce = asyncio.create_task(_announce_when_ready(server, engine, f"http://{host}:{port}"))
@@ -191,7 +242,8 @@ def run_server(args: argparse.Namespace) -> int:
         logger.error("%s", e)
         return 1
     try:
-        asyncio.run(serve_http(engine, args.host, args.port, args.api_key))
+        options = ServingOptions(max_n=args.max_n, trust_request_chat_template=args.trust_request_chat_template)
+        asyncio.run(serve_http(engine, args.host, args.port, args.api_key, options, args.max_request_body_bytes))
     except KeyboardInterrupt:
         pass  # the signal uvicorn re-raises after its graceful shutdown
     finally:

@@ -5,9 +5,12 @@ A user's mistake is a 4xx with a message that says what to change; only our own 
 
 from __future__ import annotations
 
+import json
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi import HTTPException as FastAPIHTTPException
 from starlette.exceptions import HTTPException
 
 from compiled_llm.engine.core_client import EngineDeadError
@@ -17,7 +20,15 @@ from compiled_llm.logger import init_logger
 logger = init_logger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-          405: "invalid_request_error", 500: "server_error", 503: "server_error"}
+          405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error", 503: "server_error"}
+
+
+class RequestTooLarge(FastAPIHTTPException):  # FastAPI re-raises its own from body parsing
+    """The request body is over the server's limit: a 413 before any of it is parsed."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"The request body is larger than this server's limit of {limit} bytes "
+                              "(--max-request-body-bytes).")
 
 
 class OpenAIError(Exception):
@@ -34,8 +45,16 @@ def error_body(message: str, status: int, param: str | None = None, code: str | 
                                          param=param, code=code))
 
 
+class _AsciiJSONResponse(JSONResponse):
+    """JSON with every non-ASCII character escaped: an error message that quotes a client's text
+    (a lone surrogate included) always encodes."""
+
+    def render(self, content: object) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
 def error_response(message: str, status: int, param: str | None = None, code: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, status, param, code).model_dump(), status_code=status)
+    return _AsciiJSONResponse(error_body(message, status, param, code).model_dump(), status_code=status)
 
 
 def engine_dead_message(error: BaseException) -> str:

@@ -7,16 +7,54 @@ fields we know but do not support are refused with a 400 rather than silently dr
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from compiled_llm.sampling_params import RequestOutputKind, SamplingParams
 from compiled_llm.utils import random_uuid
 
+# Every integer a client sends must fit the int64 the engine stores it in: a bigger one would
+# overflow there (and kill the engine) instead of being refused here.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+NonNegInt64 = Annotated[int, Field(ge=0, le=INT64_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+
+
+def first_unencodable(value: Any, path: str = "") -> str | None:
+    """The path of the first string in `value` that is not valid Unicode (a lone surrogate, which
+    JSON's \\uXXXX escapes can express): no tokenizer or UTF-8 encoder can take it."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found = first_unencodable(key, path) or first_unencodable(item, f"{path}.{key}" if path else str(key))
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = first_unencodable(item, f"{path}[{i}]")
+            if found:
+                return found
+    return None
+
 
 class OpenAIBaseModel(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Finite floats only: NaN and Infinity (which Python's JSON parser accepts) are no sampling knob.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _only_valid_unicode(cls, data: Any) -> Any:
+        bad = first_unencodable(data)
+        if bad is not None:
+            raise ValueError(f"{bad} holds a string that is not valid Unicode (a lone UTF-16 surrogate)")
+        return data
 
 
 # ---- errors -----------------------------------------------------------------------------------
@@ -46,26 +84,26 @@ class SamplingRequest(OpenAIBaseModel):
     """The fields completions and chat share: OpenAI's sampling knobs and vLLM's extras."""
 
     model: str | None = None
-    n: int | None = 1
+    n: NonNegInt64 | None = 1
     temperature: float | None = None
     top_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM's extras
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: NonNegInt64 = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
 
     def unsupported(self) -> str | None:
         """A field we refuse, with why; None when the request is fine."""
@@ -102,12 +140,12 @@ class SamplingRequest(OpenAIBaseModel):
 
 # ---- /v1/completions --------------------------------------------------------------------------
 class CompletionRequest(SamplingRequest):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: Union[str, list[str], list[TokenId], list[list[TokenId]]]
+    max_tokens: Int64 | None = 16
+    logprobs: NonNegInt64 | None = None
     echo: bool | None = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: NonNegInt64 | None = None
     add_special_tokens: bool = True  # vLLM's extra
 
     def unsupported(self) -> str | None:
@@ -154,10 +192,10 @@ class ChatMessage(OpenAIBaseModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int64 | None = None
+    max_completion_tokens: Int64 | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: NonNegInt64 | None = None
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
     # vLLM's extras
@@ -269,7 +307,7 @@ class TokenizeResponse(OpenAIBaseModel):
 
 class DetokenizeRequest(OpenAIBaseModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 class DetokenizeResponse(OpenAIBaseModel):

@@ -9,6 +9,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from compiled_llm.engine.async_llm import RequestStream
+from compiled_llm.engine.chat_templates import ChatTemplateError
 from compiled_llm.entrypoints.openai.errors import OpenAIError
 from compiled_llm.entrypoints.openai.protocol import (
     ChatCompletionChunk,
@@ -72,15 +73,33 @@ def message_dict(message: ChatMessage) -> dict[str, Any]:
 
 
 class OpenAIServingChat(OpenAIServing):
+    async def render(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool, chat_template: str | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> tuple[str, list[int]]:
+        """The conversation rendered and tokenized; a 400 for a template that fails or a text too long."""
+        template_kwargs = dict(template_kwargs or {})
+        if (chat_template is not None or "chat_template" in template_kwargs) and \
+                not self.options.trust_request_chat_template:
+            raise OpenAIError(
+                "This server does not take chat templates from requests (a template is code); its operator can "
+                "allow them with --trust-request-chat-template.", param="chat_template",
+            )
+        template_kwargs.pop("tokenize", None)
+        try:
+            return await self.engine.apply_chat_template(
+                messages, add_generation_prompt, chat_template, **template_kwargs
+            )
+        except ChatTemplateError as e:  # the template rejected the conversation (roles, missing template, ...)
+            raise OpenAIError(f"Could not apply the chat template: {e}", param="messages") from e
+        except ValueError as e:  # rendered, but too long to fit
+            raise OpenAIError(str(e), param="messages") from e
+
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         self.check_request(request)
         messages = [message_dict(m) for m in request.messages]
-        try:
-            text, ids = await self.engine.apply_chat_template(
-                messages, request.add_generation_prompt, request.chat_template, **(request.chat_template_kwargs or {})
-            )
-        except Exception as e:  # the template rejected the conversation (roles, missing template, ...)
-            raise OpenAIError(f"Could not apply the chat template: {e}", param="messages") from e
+        text, ids = await self.render(messages, request.add_generation_prompt, request.chat_template,
+                                      request.chat_template_kwargs)
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         self.check_length(len(ids), max_tokens)
         num_top = request.top_logprobs or 0

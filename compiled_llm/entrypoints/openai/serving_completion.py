@@ -86,7 +86,7 @@ class OpenAIServingCompletion(OpenAIServing):
         lens: list[int] = []
         for item in items:
             if isinstance(item, str):
-                ids = await self.engine.tokenize(item, request.add_special_tokens)
+                ids = await self.tokenize(item, request.add_special_tokens)
                 prompts.append({"prompt": item, "prompt_token_ids": ids})
             else:
                 ids = list(item)

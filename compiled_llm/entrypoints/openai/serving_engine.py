@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, TypeVar
 
 from fastapi import Request
@@ -31,15 +32,26 @@ def sse_error(error: BaseException) -> str:
     """The event a stream ends with when it cannot finish (then `[DONE]`)."""
     if isinstance(error, EngineDeadError):
         body = error_body(engine_dead_message(error), 503, code="engine_dead")
+    elif isinstance(error, ValueError):  # the engine refused the request
+        body = error_body(str(error), 400)
     else:
         body = error_body(f"Internal server error: {type(error).__name__}: {error}", 500)
     return f"data: {json.dumps(body.model_dump())}\n\n"
 
 
+@dataclass(frozen=True)
+class ServingOptions:
+    """What the operator allows a request to ask for."""
+
+    max_n: int = 128  # parallel samples (n, best_of) of one request, as OpenAI caps them
+    trust_request_chat_template: bool = False  # a request's own `chat_template` is code (Jinja)
+
+
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, served_model_name: str) -> None:
+    def __init__(self, engine: AsyncLLM, served_model_name: str, options: ServingOptions | None = None) -> None:
         self.engine = engine
         self.served_model_name = served_model_name
+        self.options = options or ServingOptions()
         self.max_model_len = engine.model_config.max_model_len
 
     def check_model(self, model: str | None) -> None:
@@ -54,6 +66,18 @@ class OpenAIServing:
         problem = request.unsupported()
         if problem is not None:
             raise OpenAIError(problem)
+        for name in ("n", "best_of"):
+            value = getattr(request, name, None)
+            if value is not None and value > self.options.max_n:
+                raise OpenAIError(
+                    f"{name} must be at most {self.options.max_n} (the server's --max-n), got {value}.", param=name
+                )
+
+    async def tokenize(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
+        try:
+            return await self.engine.tokenize(text, add_special_tokens)
+        except ValueError as e:
+            raise OpenAIError(str(e), param=param) from e
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
         """A prompt that fits, asking for more tokens than fit after it, is a 400 (as in vLLM).
@@ -95,8 +119,13 @@ class OpenAIServing:
 
 async def final_output(stream: RequestStream) -> RequestOutput:
     last = None
-    async for output in stream:
-        last = output
+    try:
+        async for output in stream:
+            last = output
+    except EngineDeadError:
+        raise
+    except ValueError as e:  # the engine refused the request
+        raise OpenAIError(str(e)) from e
     assert last is not None
     return last
 

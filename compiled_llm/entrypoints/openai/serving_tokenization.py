@@ -10,26 +10,18 @@ from compiled_llm.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from compiled_llm.entrypoints.openai.serving_chat import message_dict
-from compiled_llm.entrypoints.openai.serving_engine import OpenAIServing
+from compiled_llm.entrypoints.openai.serving_chat import OpenAIServingChat, message_dict
 
 
-class OpenAIServingTokenization(OpenAIServing):
-    async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
+class OpenAIServingTokenization(OpenAIServingChat):
+    async def tokenize_request(self, request: TokenizeRequest) -> TokenizeResponse:
         self.check_model(request.model)
         if (request.prompt is None) == (request.messages is None):
             raise OpenAIError("Give either prompt or messages.")
         if request.messages is not None:
-            try:
-                _, ids = await self.engine.apply_chat_template(
-                    [message_dict(m) for m in request.messages], request.add_generation_prompt
-                )
-            except OpenAIError:
-                raise
-            except Exception as e:
-                raise OpenAIError(f"Could not apply the chat template: {e}", param="messages") from e
+            _, ids = await self.render([message_dict(m) for m in request.messages], request.add_generation_prompt)
         else:
-            ids = await self.engine.tokenize(request.prompt or "", request.add_special_tokens)
+            ids = await self.tokenize(request.prompt or "", request.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids)
 
     async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
