@@ -41,7 +41,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 VERSION = "0.32.0"
 RESULT_TAG = "PEER_RESULT "
-LOG_KEYS = ("took", "torch.compile", "compiled function", "KV cache size")
+LOG_KEYS = ("took", "torch.compile", "compiled function", "AOT compilation", "Compiling model again", "KV cache size")
 
 
 # ---- our side: locate the venv, run jobs ---------------------------------------------------------

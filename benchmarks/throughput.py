@@ -211,7 +211,7 @@ def vllm_figures(model_path, dtype, threads, requests, decode_prompt, decode_tok
     r = peer_vllm.offline(model_path, dtype, threads, [(q.prompt_token_ids, q.output_len) for q in requests],
                           decode_prompt, decode_tokens, runs, ttft_runs)
     out = summarize([t / e for e, t in r["throughput"]], r["decode_tok_s"], r["ttft_s"], r["steps"])
-    out["vllm"] = {k: r.get(k) for k in ("vllm", "config", "ready_from_process_start", "steps_error") if k in r}
+    out["vllm"] = {k: r.get(k) for k in ("vllm", "config", "ready_from_process_start", "steps_error", "log") if k in r}
     return out
 
 
