@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import tempfile
@@ -31,11 +32,22 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@functools.cache
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write `data` so that readers see either the old file or the whole new one."""
+    """Write `data` so that readers see either the old file or the whole new one. The file gets
+    the permissions a plain `open` would give it (mkstemp's are owner-only), so that a cache built
+    by one user (an image build) can be read by another (the server). If the write fails (a full
+    disk), no temp file is left."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
