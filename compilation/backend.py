@@ -1,15 +1,17 @@
 """The torch.compile backend: split the traced graph around the splitting ops, then compile (or
 load from the compile cache) every other piece for each compile range and size.
 
-Dynamo calls this once, on a cold start. Everything happens then, at start-up: afterwards the
-split graph runs compiled pieces and eager splitting ops, and nothing compiles lazily. The
-traced graph is saved beside the artifacts, so a warm start (`load_saved`) skips Dynamo too.
+Two paths, each its own function. A warm start (`CompilerBackend.load_saved`) rebuilds the
+split graph from the cache entry and loads every artifact (`CompilerManager.load`): no Dynamo,
+no Inductor. A cold start is Dynamo calling the backend (`CompilerBackend.__call__`) once with
+its graph; it loads what the entry holds and compiles the rest (`CompilerManager.compile`), then
+saves the traced graph. Everything happens at start-up: afterwards the split graph runs
+compiled pieces and eager splitting ops, and nothing compiles lazily.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Sequence
 
 import sympy
@@ -20,32 +22,17 @@ from torch._guards import detect_fake_mode
 from tqdm.auto import tqdm
 
 from compiled_llm.compilation import traced_graph
-from compiled_llm.compilation.compile_cache import CompileCache, CompileCacheMissError
+from compiled_llm.compilation.compile_cache import CompileCache, CompileCacheMissError, Damage
 from compiled_llm.compilation.config import CompilationConfig, CUDAGraphMode
 from compiled_llm.compilation.cuda_graph import CUDAGraphWrapper
 from compiled_llm.compilation.counters import counters
 from compiled_llm.compilation.inductor_adaptor import CompiledPiece, InductorAdaptor, graph_returns_tuple
 from compiled_llm.compilation.partition import split_graph, structural_hash
 from compiled_llm.compilation.piecewise_backend import PiecewiseBackend, ShapeSpec, shape_specs
-from compiled_llm.compilation.traced_graph import PieceMeta, TracedGraph
+from compiled_llm.compilation.traced_graph import GRAPH_FILE, META_FILE, PieceMeta, TracedGraph
 from compiled_llm.logger import init_logger
 
 logger = init_logger(__name__)
-
-
-@dataclass
-class CompileReport:
-    """What one start-up did, for the log line and `precompile --json`."""
-
-    pieces: int = 0
-    unique_pieces: int = 0
-    inductor_compilations: int = 0
-    artifacts_saved: int = 0
-    artifacts_loaded: int = 0
-    traced: bool = False  # False: a warm start that loaded the saved graph instead of running Dynamo
-    cache_dir: str = ""
-    compile_ranges: list[tuple[int, int]] = field(default_factory=list)
-    compile_sizes: list[int] = field(default_factory=list)
 
 
 def record_piece_inputs(split: fx.GraphModule, example_inputs: list[Any]) -> dict[str, tuple[Any, ...]]:
@@ -88,8 +75,112 @@ def token_argument(args: tuple[Any, ...], symbol: sympy.Symbol | None) -> tuple[
     raise RuntimeError("a compiled piece has no input sized by the token dimension")
 
 
-class _WarmLoadFailed(Exception):
-    """The warm path found an artifact it could not use (already set aside)."""
+class CompilerManager:
+    """The artifacts of one start, one per unique (piece, shape spec): `load` takes them from a
+    verified copy of the cache entry, `compile` loads what the entry holds and compiles the rest
+    into it. Loading is kept apart from compiling, as vLLM's `CompilerManager` does."""
+
+    def __init__(
+        self, cache: CompileCache, adaptor: InductorAdaptor, specs: list[ShapeSpec], require_cache_hit: bool,
+        progress: bool,
+    ) -> None:
+        self.cache = cache
+        self.adaptor = adaptor
+        self.specs = specs
+        self.require_cache_hit = require_cache_hit
+        self.progress = progress
+        # Loaded artifacts; they outlive a warm load that fell back to the cold path.
+        self.artifacts: dict[tuple[str, ShapeSpec], Any] = {}
+
+    @staticmethod
+    def name(piece_hash: str, spec: ShapeSpec) -> str:
+        return f"{piece_hash}-{spec.tag}"
+
+    def plan(self, metas: list[PieceMeta]) -> dict[tuple[str, ShapeSpec], PieceMeta]:
+        """Every (unique piece, spec) to load or compile, with the first piece of that structure."""
+        first: dict[str, PieceMeta] = {}
+        for meta in metas:
+            first.setdefault(meta.piece_hash, meta)
+        return {(h, spec): meta for h, meta in first.items() for spec in self.specs}
+
+    def missing(self, metas: list[PieceMeta]) -> list[tuple[str, ShapeSpec]]:
+        return [k for k in self.plan(metas) if k not in self.artifacts and not self.cache.has(self._rel(k))]
+
+    def _rel(self, key: tuple[str, ShapeSpec]) -> str:
+        return self.cache.artifact_rel(self.name(*key))
+
+    def load(self, metas: list[PieceMeta], folder: Path) -> Damage | None:
+        """Load every artifact of `metas` from `folder` (a verified copy of the entry); the first
+        one that does not load is returned."""
+        for key in self.plan(metas):
+            damage = self._load_one(key, folder)
+            if damage is not None:
+                return damage
+        return None
+
+    def _load_one(self, key: tuple[str, ShapeSpec], folder: Path) -> Damage | None:
+        if key not in self.artifacts:
+            try:
+                self.artifacts[key] = self.adaptor.load(folder / self._rel(key))
+            except Exception as e:  # checksum right, content unusable (another build): never trusted
+                return Damage(self._rel(key), f"does not load ({type(e).__name__}: {e})")
+        return None
+
+    def refuse_misses(self, metas: list[PieceMeta], misses: list[tuple[str, ShapeSpec]]) -> None:
+        """A start that must not compile (strict, or from a read-only cache) fails on a miss,
+        naming the first missing artifact."""
+        plan = self.plan(metas)
+        if misses and self.require_cache_hit:
+            h, spec = misses[0]
+            raise CompileCacheMissError(
+                f"Compile cache miss in {self.cache.entry} with require_cache_hit: {len(misses)} of {len(plan)} "
+                f"artifact(s) missing, e.g. {self.name(h, spec)} (piece {plan[h, spec].name}, {spec}). "
+                f"Run `compiled-llm precompile` with the same settings to fill it."
+            )
+        if self.cache.read_only:
+            what = f"{len(misses)} of {len(plan)} artifact(s) missing" if misses else "it has no saved graph"
+            raise CompileCacheMissError(
+                f"Compile cache entry {self.cache.entry} is read-only and cannot serve this start: {what}. Run "
+                f"`compiled-llm precompile` with the same settings where the cache is writable to fill it."
+            )
+
+    def compile(self, metas: list[PieceMeta], compile_piece: Any) -> dict[tuple[str, ShapeSpec], Any]:
+        """Load every artifact the entry holds and compile, save and index the rest."""
+        cache = self.cache
+        plan = self.plan(metas)
+        misses = self.missing(metas)
+        counters.num_cache_misses += len(misses)
+        self.refuse_misses(metas, misses)
+        cache.prepare()  # sets aside what fails its checksum: look again
+        for key in plan:
+            if key in self.artifacts or key in misses:
+                continue
+            if not cache.has(self._rel(key)):
+                misses.append(key)
+                continue
+            damage = self._load_one(key, cache.entry)
+            if damage is not None:
+                if self.require_cache_hit:
+                    raise_refusal(cache, [damage], "with require_cache_hit")
+                cache.set_aside([damage])
+                misses.append(key)
+        if misses:
+            logger.info("Compiling %d artifact(s) for %d unique piece(s) into %s.",
+                        len(misses), len({h for h, _ in plan}), cache.entry)
+        for key in tqdm(misses, desc="Compiling pieces", disable=not (self.progress and misses), dynamic_ncols=True):
+            artifact = compile_piece(plan[key], key[1])
+            self.adaptor.save(artifact, cache.entry / self._rel(key))
+            cache.commit()  # the artifact and the files Inductor wrote for it
+            self.artifacts[key] = artifact
+        return {key: self.artifacts[key] for key in plan}
+
+
+def raise_refusal(cache: CompileCache, damages: list[Damage], why: str) -> None:
+    more = f" (and {len(damages) - 1} more damaged file(s))" if len(damages) > 1 else ""
+    raise CompileCacheMissError(
+        f"Compile cache entry {cache.entry} cannot serve a start {why}: {damages[0]}{more}. Run "
+        f"`compiled-llm precompile` with the same settings to rebuild it."
+    )
 
 
 class CompilerBackend:
@@ -103,14 +194,9 @@ class CompilerBackend:
     ) -> None:
         self.config = config
         self.cache = cache
-        self.progress = progress
         self.specs = shape_specs(config.compile_ranges or [(1, max_num_batched_tokens)], config.compile_sizes)
         self.adaptor = InductorAdaptor(config.inductor_options)
-        self.report = CompileReport(
-            cache_dir=str(cache.entry),
-            compile_ranges=list(config.compile_ranges or []),
-            compile_sizes=list(config.compile_sizes),
-        )
+        self.manager = CompilerManager(cache, self.adaptor, self.specs, config.require_cache_hit, progress)
         self.named_tensors = {id(t): n for n, t in model.named_parameters(remove_duplicate=False)}
         self.named_tensors.update({id(t): n for n, t in model.named_buffers(remove_duplicate=False)})
         self.inputs: Sequence[torch.Tensor] = ()  # the forward's inputs of the tracing call
@@ -119,6 +205,52 @@ class CompilerBackend:
         self.split: fx.GraphModule | None = None
         self.traced: TracedGraph | None = None
 
+    # ---- warm start: the saved graph and its artifacts ------------------------------------------
+    def load_saved(self) -> TracedGraph | None:
+        """Rebuild from the cache entry without Dynamo or Inductor, loading only from a copy whose
+        every file matched the index. None when the entry cannot serve this start (nothing saved
+        yet; missing or damaged files, which are set aside): Dynamo then traces and `__call__`
+        compiles what is missing. A damaged entry is an error in strict mode or when read-only."""
+        stage = self.cache.stage()
+        if stage.damages:
+            return self._refuse_or_set_aside(stage.damages)
+        if not stage.files:
+            return None
+        try:
+            meta = traced_graph.load_meta(stage.folder)
+        except Exception as e:
+            return self._refuse_or_set_aside([Damage(META_FILE, f"is unreadable ({type(e).__name__}: {e})")])
+        if meta is None:
+            return None
+        bindings, pieces = meta
+        missing = self.manager.missing(pieces)
+        if missing:
+            self.manager.refuse_misses(pieces, missing)
+            return None
+        try:
+            graph = traced_graph.load_graph(stage.folder)
+        except Exception as e:
+            return self._refuse_or_set_aside([Damage(GRAPH_FILE, f"is unreadable ({type(e).__name__}: {e})")])
+        self.cache.use_stage_for_inductor()
+        damage = self.manager.load(pieces, stage.folder)
+        if damage is not None:
+            return self._refuse_or_set_aside([damage])
+        self._install(graph, pieces, self.manager.artifacts)
+        self.traced = TracedGraph(graph, bindings, pieces)
+        return self.traced
+
+    def _refuse_or_set_aside(self, damages: list[Damage]) -> None:
+        """Damaged files fail a strict start or a read-only cache; otherwise they are set aside
+        and the cold path rebuilds them."""
+        if self.config.require_cache_hit:
+            raise_refusal(self.cache, damages, "with require_cache_hit")
+        if self.cache.read_only:
+            raise_refusal(self.cache, damages, "from a read-only cache")
+        if any(d.path in (GRAPH_FILE, META_FILE) for d in damages):
+            logger.warning("Saved graph in %s is unreadable; tracing it again.", self.cache.entry)
+        self.cache.set_aside(damages)
+        return None
+
     # ---- cold start: Dynamo hands us its graph --------------------------------------------------
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
         counters.num_graphs_traced += 1
@@ -126,7 +258,6 @@ class CompilerBackend:
         if self.graphs_seen > 1:
             counters.num_recompiles += 1
             logger.error("Dynamo traced the model a second time (a recompile): a bug in the traced code's guards.")
-        self.report.traced = True
         bindings = traced_graph.bind_placeholders(example_inputs, self.named_tensors, self.inputs)
         split, pieces = split_graph(gm, self.config.splitting_ops)
         inputs = record_piece_inputs(split, example_inputs)
@@ -145,38 +276,14 @@ class CompilerBackend:
                 size=spec.lo if spec.static else None, hint=self._range_hint(spec),
             )
 
-        with self.cache.locked():
-            self.cache.prepare()
-            artifacts = self._compile_or_load(metas, compile_piece)
-            self.traced = TracedGraph(traced_graph.strip_graph(split, [m.name for m in metas]), bindings, metas)
-            traced_graph.save(self.cache.entry, self.traced)
+        artifacts = self.manager.compile(metas, compile_piece)
+        self.traced = TracedGraph(traced_graph.strip_graph(split, [m.name for m in metas]), bindings, metas)
+        traced_graph.save(self.cache.entry, self.traced)
+        self.cache.commit()
+        if self.cache.signing_key is not None:
+            logger.info("Signed compile cache entry %s (%s).", self.cache.entry, "manifest.sig")
         self._install(split, metas, artifacts)
         return split
-
-    # ---- warm start: the saved graph and its artifacts ------------------------------------------
-    def load_saved(self) -> TracedGraph | None:
-        """Rebuild from the cache entry without Dynamo; None if the entry cannot serve this start
-        (no saved graph, or artifacts missing or broken: the cold path then repairs it)."""
-        with self.cache.locked():
-            saved = traced_graph.load(self.cache.entry)
-            if saved is None:
-                return None
-            index = self.cache.read_index()
-            try:
-                if any(self.cache.verified_path(self._name(m.piece_hash, s), index) is None
-                       for m in saved.pieces for s in self.specs):
-                    return None
-            except ValueError:  # a checksum mismatch: let the cold path set the entry aside
-                return None
-            self.cache.prepare()
-            try:
-                artifacts = self._compile_or_load(saved.pieces, None)
-            except _WarmLoadFailed:  # an artifact would not load: the cold path rebuilds the entry
-                return None
-        split = saved.graph
-        self._install(split, saved.pieces, artifacts)
-        self.traced = saved
-        return saved
 
     # ---- shared ---------------------------------------------------------------------------------
     def _install(self, split: fx.GraphModule, metas: list[PieceMeta], artifacts: dict[tuple[str, ShapeSpec], Any]) -> None:
@@ -191,59 +298,7 @@ class CompilerBackend:
             self.piece_backends.append(backend)
         self.split = split
         counters.num_pieces += len(metas)
-        unique = len({m.piece_hash for m in metas})
-        counters.num_unique_pieces += unique
-        self.report.pieces += len(metas)
-        self.report.unique_pieces += unique
-
-    @staticmethod
-    def _name(piece_hash: str, spec: ShapeSpec) -> str:
-        return f"{piece_hash}-{spec.tag}"
-
-    def _compile_or_load(self, metas: list[PieceMeta], compile_piece: Any) -> dict[tuple[str, ShapeSpec], Any]:
-        """Load every (unique piece, spec) artifact the index vouches for; compile the rest
-        (`compile_piece` is None on the warm path, where nothing may be missing)."""
-        cache = self.cache
-        first = {}
-        for meta in metas:
-            first.setdefault(meta.piece_hash, meta)
-        plan = [(h, spec) for h in first for spec in self.specs]
-        index = cache.read_index()
-        artifacts: dict[tuple[str, ShapeSpec], Any] = {}
-        misses: list[tuple[str, ShapeSpec]] = []
-        try:
-            for h, spec in plan:
-                path = cache.verified_path(self._name(h, spec), index)
-                if path is None:
-                    misses.append((h, spec))
-                else:
-                    artifacts[h, spec] = self.adaptor.load(path)
-                    self.report.artifacts_loaded += 1
-        except Exception as e:  # a truncated, corrupt or incompatible artifact: never trusted
-            cache.set_aside(f"{type(e).__name__}: {e}")
-            index, artifacts, misses = {}, {}, list(plan)
-        counters.num_cache_misses += len(misses)
-        if misses and compile_piece is None and not self.config.require_cache_hit:
-            raise _WarmLoadFailed
-        if misses and self.config.require_cache_hit:
-            h, spec = misses[0]
-            raise CompileCacheMissError(
-                f"Compile cache miss in {cache.entry} with require_cache_hit: {len(misses)} of {len(plan)} "
-                f"artifact(s) missing, e.g. {self._name(h, spec)} (piece {first[h].name}, {spec}). "
-                f"Run `compiled-llm precompile` with the same settings to fill it."
-            )
-        if misses:
-            logger.info("Compiling %d artifact(s) for %d unique piece(s) into %s.", len(misses), len(first), cache.entry)
-        for h, spec in tqdm(misses, desc="Compiling pieces", disable=not (self.progress and misses), dynamic_ncols=True):
-            artifact = compile_piece(first[h], spec)
-            self.report.inductor_compilations += 1
-            name = self._name(h, spec)
-            self.adaptor.save(artifact, cache.artifact_path(name))
-            self.report.artifacts_saved += 1
-            cache.record(name, index)
-            cache.write_index(index)
-            artifacts[h, spec] = artifact
-        return artifacts
+        counters.num_unique_pieces += len({m.piece_hash for m in metas})
 
     @staticmethod
     def _range_hint(spec: ShapeSpec) -> int | None:

@@ -2,26 +2,49 @@
 
 ```
 <root>/<key>/factors.json      why this entry exists (the hashed factors, readable)
-<root>/<key>/index.json        artifact name -> sha256 and size of its file
+<root>/<key>/index.json        every other file of the entry -> its sha256 and size, and the key
+<root>/<key>/manifest.sig      HMAC-SHA256 of index.json, with a signing key (optional)
+<root>/<key>/graph.pkl, .json  the traced graph (traced_graph.py)
 <root>/<key>/artifacts/*.bin   one Inductor artifact per (piece structure, shape range or size)
-<root>/<key>/inductor/         TORCHINDUCTOR_CACHE_DIR while this entry is in use
+<root>/<key>/inductor/         TORCHINDUCTOR_CACHE_DIR while a cold start fills this entry
 <root>/<key>/triton/           TRITON_CACHE_DIR likewise
-<root>/<key>/.lock             held while a process fills or reads the entry
+<root>/.<key>.lock             held while a process fills or reads the entry
 ```
 
-Writes are atomic (temp file, then rename) and the index is only changed under the lock, so
-concurrent starts never see half an artifact. An artifact is trusted only if its file matches
-the checksum in the index.
+What it promises:
+
+- Nothing unverified is read. A warm start copies every file the index lists into a private
+  folder, checking each against its checksum as it goes (and, with a signing key, the index
+  against its signature first), and loads only from that copy: a file changed on disk is never
+  unpickled or loaded, a file the index does not list is never seen, and a warm start writes
+  nothing into the entry.
+- A read-only entry (a read-only mount, a baked image, a folder without write permission) is
+  served without the lock and without any write; only a complete entry can be.
+- Writes are atomic (temp file, then rename) and only made under the lock, so concurrent starts
+  never see half a file. A start that fails leaves no temp file, no file the index does not list,
+  and no entry folder it created.
+- A damaged file is set aside (moved to `<key>.broken-*`, never deleted) and only it is rebuilt.
+- Every failure a user can fix is a `CompileCacheError` whose message is one line saying which.
+
+The trust model: a cache entry is code (pickled graphs, generated Python, shared libraries).
+Checksums catch damage, not an attacker who can rewrite the index too; a signing key
+(`--cache-signing-key-file`) makes only entries written with that key acceptable.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
+import hmac
 import json
 import os
+import shutil
+import tempfile
 import time
+import weakref
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -30,11 +53,49 @@ from compiled_llm.utils import atomic_write_bytes, user_cache_dir
 
 logger = init_logger(__name__)
 
-INDEX_VERSION = 1
+INDEX_FILE = "index.json"
+SIGNATURE_FILE = "manifest.sig"
+FACTORS_FILE = "factors.json"
+INDEX_VERSION = 2
+SIGNATURE_SCHEME = "hmac-sha256"
+# An OSError with one of these means the cache (or a temp folder) cannot be written.
+WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR}
 
 
-class CompileCacheMissError(RuntimeError):
-    """Raised in strict mode (`require_cache_hit`) when an artifact is not in the cache."""
+class CompileCacheError(RuntimeError):
+    """A compile cache problem the user can fix; the message is one line that says which."""
+
+
+class CompileCacheMissError(CompileCacheError):
+    """The cache cannot serve a start that must not compile: `require_cache_hit`, or a read-only
+    cache. The message names the artifact (or file) that is missing or damaged, and why."""
+
+
+class CompileCacheWriteError(CompileCacheError):
+    """The cache cannot be written: a read-only or full disk, no permission, or a path that is not
+    a folder."""
+
+
+@dataclass(frozen=True)
+class Damage:
+    """A file of the entry that cannot be trusted. `whole_entry`: the index itself (nothing it
+    lists can be trusted)."""
+
+    path: str  # relative to the entry
+    cause: str
+    whole_entry: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.path} {self.cause}"
+
+
+@dataclass
+class Stage:
+    """A private copy of the verified files of an entry, where a warm start loads from."""
+
+    folder: Path | None = None
+    files: set[str] = field(default_factory=set)  # relative paths copied (each matched the index)
+    damages: list[Damage] = field(default_factory=list)
 
 
 def default_cache_root() -> Path:
@@ -49,76 +110,436 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def read_signing_key(path: str | Path) -> bytes:
+    """The key in `path` (surrounding whitespace dropped). It is never logged or hashed into the
+    cache key."""
+    try:
+        key = Path(path).expanduser().read_bytes().strip()
+    except OSError as e:
+        raise CompileCacheError(f"cannot read the cache signing key file {path}: {e.strerror}") from None
+    if len(key) < 16:
+        raise CompileCacheError(f"the cache signing key in {path} is too short: give at least 16 bytes")
+    return key
+
+
+def signature(key: bytes, index_bytes: bytes) -> str:
+    return f"{SIGNATURE_SCHEME}:{hmac.new(key, index_bytes, hashlib.sha256).hexdigest()}\n"
+
+
+def is_temp_file(name: str) -> bool:
+    """Ours (atomic_write_bytes, InductorAdaptor.save) and Inductor's (codecache.write_atomic)."""
+    return name.startswith(".") and name.endswith(".tmp")
+
+
+def write_error(exc: BaseException) -> OSError | None:
+    """The OSError that says a write failed, anywhere in `exc`'s chain (Dynamo and Inductor wrap
+    errors raised inside a backend), or one made from the text of a tool's error (the C++
+    compiler's "No space left on device")."""
+    chain, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        chain.append(exc)
+        if isinstance(exc, OSError) and exc.errno in WRITE_ERRNOS:
+            return exc
+        exc = getattr(exc, "inner_exception", None) or exc.__cause__ or exc.__context__
+    for code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS):
+        if any(os.strerror(code) in str(e) for e in chain):
+            return OSError(code, os.strerror(code))
+    return None
+
+
+def _writable(path: Path) -> bool:
+    try:
+        if os.statvfs(path).f_flag & os.ST_RDONLY:
+            return False
+    except OSError:
+        return False
+    return os.access(path, os.W_OK | os.X_OK)
+
+
+STAGE_PREFIX = "compiled-llm-stage-"
+
+
+def _remove_stage(folder: str) -> None:
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _remove_dead_stages() -> None:
+    """Stages of processes that died without cleaning up (killed, or `os._exit`)."""
+    temp = Path(tempfile.gettempdir())
+    for path in temp.glob(f"{STAGE_PREFIX}*"):
+        pid = path.name[len(STAGE_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            _remove_stage(str(path))
+        except OSError:
+            pass  # alive, someone else's
+
+
 class CompileCache:
-    def __init__(self, root: str | Path | None, key: str, factors: dict[str, Any]) -> None:
+    def __init__(self, root: str | Path | None, key: str, factors: dict[str, Any], signing_key: bytes | None = None) -> None:
         self.root = Path(root).expanduser() if root else default_cache_root()
         self.key = key
         self.factors = factors
         self.entry = self.root / key
+        self.signing_key = signing_key
+        self.read_only = False  # set by `opened`
+        self.writable = False  # holds the lock and may write (set by `opened`)
+        self.index: dict[str, dict[str, Any]] = {}
+        self._index_loaded = False
+        # Files checked against the index (or written) by this start -> (size, mtime) when checked.
+        self._verified: dict[str, tuple[int, int]] = {}
+        self._wrote = False  # this start changed the entry
+        self._stage: Stage | None = None
+
+    @property
+    def lock_path(self) -> Path:
+        return self.root / f".{self.key}.lock"
+
+    @staticmethod
+    def artifact_rel(name: str) -> str:
+        return f"artifacts/{name}.bin"
+
+    def artifact_path(self, name: str) -> Path:
+        return self.entry / self.artifact_rel(name)
+
+    # ---- one start --------------------------------------------------------------------------------
+    @contextmanager
+    def opened(self, require_cache_hit: bool = False) -> Iterator[None]:
+        """Hold the entry for one start. A read-only cache is only read: no lock, no writes. A
+        strict start finding no entry takes no lock either: it can only fail, and must leave
+        nothing behind. Otherwise the lock is held throughout, stale temp files are removed first,
+        and if the start fails, whatever it wrote that the index does not list is removed (the
+        entry too, if this start created it and a write failed). A failed write (a full or
+        read-only disk) is raised as a one-line `CompileCacheWriteError`."""
+        self._check_root()
+        self.read_only = self._detect_read_only()
+        if self.read_only or (require_cache_hit and not self.entry.is_dir()):
+            if self.read_only:
+                logger.info("Compile cache %s is read-only: loading without a lock, writing nothing.", self.entry)
+            try:
+                yield
+            except Exception as e:
+                error = self._as_write_error(e)
+                if error is None:
+                    raise
+                raise error from None
+            return
+        root_existed = self.root.is_dir()
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CompileCacheWriteError(f"cannot create the compile cache folder {self.root}: {e.strerror}") from None
+        lock_existed = self.lock_path.exists()
+        error: CompileCacheWriteError | None = None
+        remove_lock = False
+        with self._locked() as lock:
+            entry_existed = self.entry.is_dir()  # under the lock: no other start is creating it
+            self.writable, self._wrote = True, False
+            try:
+                self._remove_temp_files()
+                yield
+            except BaseException as e:
+                error = self._as_write_error(e)  # before the clean-up frees the disk
+                emptied = self._undo_partial_writes(created_entry=not entry_existed, failed_write=error is not None)
+                remove_lock = emptied and not entry_existed and not lock_existed
+                if error is None:
+                    raise
+            finally:
+                self.writable = False
+                if remove_lock:
+                    lock.unlink()
+        if remove_lock and not root_existed:
+            try:
+                self.root.rmdir()  # only if this start created it and left it empty
+            except OSError:
+                pass
+        if error is not None:
+            raise error from None
+
+    def _as_write_error(self, e: BaseException) -> CompileCacheWriteError | None:
+        if isinstance(e, CompileCacheError) or not isinstance(e, Exception):
+            return None
+        oserror = write_error(e)
+        if oserror is None:
+            return None
+        where = str(oserror.filename or "")
+        if not where or where.startswith(str(self.root)):
+            return CompileCacheWriteError(
+                f"cannot write the compile cache entry {self.entry}: {oserror.strerror}" + (f" ({where})" if where else "")
+            )
+        return CompileCacheWriteError(f"compiling failed on {where}: {oserror.strerror}")
+
+    def _check_root(self) -> None:
+        """The root, or its nearest existing parent, must be a folder."""
+        path = self.root
+        while not path.exists() and path != path.parent:
+            path = path.parent
+        if not path.is_dir():
+            raise CompileCacheWriteError(
+                f"cannot use {self.root} as the compile cache folder: {path} is not a folder"
+            )
+
+    def _detect_read_only(self) -> bool:
+        """The entry (or, with no entry, the folder it would be created in) cannot be written."""
+        if self.entry.is_dir():
+            return not (_writable(self.entry) and _writable(self.root))
+        path = self.root
+        while not path.exists() and path != path.parent:
+            path = path.parent
+        return not _writable(path)
+
+    @contextmanager
+    def _locked(self) -> Iterator[Path]:
+        """Hold the lock file beside the entry (not in it: a broken entry is renamed away under the
+        lock). A holder may remove the file, so a waiter checks it locked the file still there."""
+        while True:
+            try:
+                fd = self._open_lock()
+            except OSError as e:
+                raise CompileCacheWriteError(f"cannot create the compile cache lock {self.lock_path}: {e.strerror}") from None
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(self.lock_path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        try:
+            yield self.lock_path
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+    def _open_lock(self) -> int:
+        try:
+            return os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        except PermissionError:
+            return os.open(self.lock_path, os.O_RDONLY)  # another user's lock file: flock needs no write
+
+    def _remove_temp_files(self) -> None:
+        for path in self._walk(self.entry):
+            if is_temp_file(path.name):
+                path.unlink(missing_ok=True)
+                logger.info("Removed a stale temp file from the compile cache: %s", path)
+
+    def _undo_partial_writes(self, created_entry: bool, failed_write: bool) -> bool:
+        """After a failed start: remove the temp files and the files that this start wrote and the
+        index on disk does not list; the whole entry if this start created it and a write failed
+        (a full disk) or nothing in it got listed. True if there is no entry left."""
+        if not self.entry.is_dir():
+            return True
+        if not self._wrote:
+            return False
+        listed = self._listed_on_disk()
+        if created_entry and (failed_write or not listed):
+            shutil.rmtree(self.entry, ignore_errors=True)
+            return not self.entry.exists()
+        for path in self._walk(self.entry):
+            rel = path.relative_to(self.entry).as_posix()
+            if is_temp_file(path.name) or (listed is not None and rel not in listed and rel not in (INDEX_FILE, SIGNATURE_FILE)):
+                path.unlink(missing_ok=True)
+        return False
+
+    def _listed_on_disk(self) -> dict[str, Any] | None:
+        """What index.json lists (not authenticated: used only to decide what to remove)."""
+        try:
+            files = json.loads((self.entry / INDEX_FILE).read_bytes()).get("files")
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError, AttributeError):
+            return None
+        return files if isinstance(files, dict) else None
+
+    @staticmethod
+    def _walk(folder: Path) -> Iterator[Path]:
+        for dirpath, _, filenames in os.walk(folder):
+            for name in filenames:
+                yield Path(dirpath) / name
+
+    # ---- the index ----------------------------------------------------------------------------
+    def _read_index_file(self) -> tuple[dict[str, dict[str, Any]], Damage | None]:
+        """The files the index lists, or the reason it cannot be trusted (a whole-entry damage)."""
+        path = self.entry / INDEX_FILE
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return {}, None
+        except OSError as e:
+            return {}, Damage(INDEX_FILE, f"is unreadable ({e.strerror})", whole_entry=True)
+        if self.signing_key is not None:
+            try:
+                sig = (self.entry / SIGNATURE_FILE).read_bytes()
+            except OSError:
+                return {}, Damage(INDEX_FILE, "is not signed (no manifest.sig) and a cache signing key is given",
+                                  whole_entry=True)
+            if not hmac.compare_digest(sig.strip(), signature(self.signing_key, raw).encode().strip()):
+                return {}, Damage(INDEX_FILE, "does not match its signature in manifest.sig (changed, or signed with "
+                                              "another key)", whole_entry=True)
+        try:
+            data = json.loads(raw)
+            version, key, files = data.get("version"), data.get("key"), data.get("files")
+        except (ValueError, AttributeError) as e:
+            return {}, Damage(INDEX_FILE, f"is unreadable ({type(e).__name__})", whole_entry=True)
+        if version != INDEX_VERSION or key != self.key or not isinstance(files, dict):
+            return {}, Damage(INDEX_FILE, f"is not a version {INDEX_VERSION} index for key {self.key}", whole_entry=True)
+        return files, None
+
+    def load_index(self) -> Damage | None:
+        """Read (and with a signing key, authenticate) the index before trusting any file."""
+        self.index, damage = self._read_index_file()
+        self._index_loaded = True
+        self._verified.clear()
+        return damage
+
+    def has(self, rel: str) -> bool:
+        return rel in self.index
+
+    def commit(self) -> None:
+        """List every file of the entry in the index (hashing the files that are new or changed
+        since they were checked) and write it, signed with the signing key if there is one."""
+        assert self.writable, "the compile cache is written only under its lock"
+        self._wrote = True
+        files = {}
+        for path in sorted(self._walk(self.entry)):
+            rel = path.relative_to(self.entry).as_posix()
+            if rel in (INDEX_FILE, SIGNATURE_FILE) or is_temp_file(path.name):
+                continue
+            record = self.index.get(rel)
+            stat = path.stat()
+            if record is None or self._verified.get(rel) != (stat.st_size, stat.st_mtime_ns):
+                record = {"sha256": file_sha256(path), "bytes": stat.st_size}
+            files[rel] = record
+            self._verified[rel] = (stat.st_size, stat.st_mtime_ns)
+        self.index = files
+        self._write_index()
+
+    def _write_index(self) -> None:
+        self._wrote = True
+        payload = {"version": INDEX_VERSION, "key": self.key, "files": self.index}
+        raw = json.dumps(payload, indent=1, sort_keys=True).encode()
+        atomic_write_bytes(self.entry / INDEX_FILE, raw)
+        if self.signing_key is not None:
+            atomic_write_bytes(self.entry / SIGNATURE_FILE, signature(self.signing_key, raw).encode())
+        else:
+            (self.entry / SIGNATURE_FILE).unlink(missing_ok=True)  # it would no longer match
+
+    # ---- reading -------------------------------------------------------------------------------
+    def _read_verified(self, rel: str) -> tuple[bytes | None, Damage | None]:
+        record = self.index[rel]
+        if Path(rel).is_absolute() or ".." in Path(rel).parts or not isinstance(record, dict):
+            return None, Damage(INDEX_FILE, f"lists {rel!r} in a way no index written here does", whole_entry=True)
+        path = self.entry / rel
+        try:
+            stat = path.stat()
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None, Damage(rel, "is missing (listed in the index)")
+        except OSError as e:
+            return None, Damage(rel, f"is unreadable ({e.strerror})")
+        if len(data) != record.get("bytes"):
+            return None, Damage(rel, f"does not match its checksum ({len(data)} bytes where the index says "
+                                     f"{record.get('bytes')}: truncated or overwritten)")
+        if hashlib.sha256(data).hexdigest() != record.get("sha256"):
+            return None, Damage(rel, "does not match its checksum (changed since it was written)")
+        self._verified[rel] = (stat.st_size, stat.st_mtime_ns)
+        return data, None
+
+    def stage(self) -> Stage:
+        """Copy every file the index lists into a private folder, each checked against the index
+        (and read once: what is checked is what is loaded). No files: nothing is saved. A stage
+        with `damages` must not be loaded from."""
+        if not self.entry.is_dir():
+            self.index, self._index_loaded = {}, True
+            return Stage()
+        damage = self.load_index()
+        if damage is not None:
+            return Stage(damages=[damage])
+        if not self.index:
+            return Stage()
+        if self._stage is None:
+            _remove_dead_stages()
+            folder = tempfile.mkdtemp(prefix=f"{STAGE_PREFIX}{os.getpid()}-")
+            weakref.finalize(self, _remove_stage, folder)
+            self._stage = Stage(Path(folder))
+        stage = self._stage
+        stage.files.clear()
+        stage.damages.clear()
+        for rel in sorted(self.index):
+            data, damage = self._read_verified(rel)
+            if damage is not None:
+                stage.damages.append(damage)
+                continue
+            dest = stage.folder / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(data)
+            stage.files.add(rel)
+        return stage
+
+    def use_stage_for_inductor(self) -> None:
+        """Point Inductor's and Triton's own caches at the private copy (a warm load writes there)."""
+        assert self._stage is not None
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self._stage.folder / "inductor")
+        os.environ["TRITON_CACHE_DIR"] = str(self._stage.folder / "triton")
+
+    # ---- writing -------------------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Before compiling into the entry: create it, drop every file the index does not list
+        (leftovers of an interrupted start, or files nobody vouches for: Inductor would read
+        them), and point Inductor's and Triton's own caches into it."""
+        assert self.writable, "the compile cache is written only under its lock"
+        self._wrote = True
+        if not self._index_loaded:
+            damage = self.load_index()
+            if damage is not None:
+                self.set_aside([damage])
+        damages = [d for rel in sorted(self.index) if rel not in self._verified
+                   for d in [self._read_verified(rel)[1]] if d is not None]
+        if damages:
+            self.set_aside(damages)
+        self.artifacts_dir.mkdir(parents=True, exist_ok=True)
+        unlisted = [path for path in self._walk(self.entry)
+                    if path.relative_to(self.entry).as_posix() not in (*self.index, INDEX_FILE, SIGNATURE_FILE)]
+        for path in unlisted:
+            path.unlink(missing_ok=True)
+        if unlisted:
+            logger.info("Removed %d file(s) the compile cache index does not list from %s.", len(unlisted), self.entry)
+        if not (self.entry / FACTORS_FILE).exists():
+            atomic_write_bytes(self.entry / FACTORS_FILE,
+                               json.dumps(self.factors, indent=2, sort_keys=True, default=repr).encode())
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.entry / "inductor")
+        os.environ["TRITON_CACHE_DIR"] = str(self.entry / "triton")
 
     @property
     def artifacts_dir(self) -> Path:
         return self.entry / "artifacts"
 
-    def artifact_path(self, name: str) -> Path:
-        return self.artifacts_dir / f"{name}.bin"
-
-    def prepare(self) -> None:
-        """Create the entry and point Inductor's and Triton's own caches into it."""
-        self.artifacts_dir.mkdir(parents=True, exist_ok=True)
-        factors = self.entry / "factors.json"
-        if not factors.exists():
-            atomic_write_bytes(factors, json.dumps(self.factors, indent=2, sort_keys=True, default=repr).encode())
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.entry / "inductor")
-        os.environ["TRITON_CACHE_DIR"] = str(self.entry / "triton")
-
-    @contextmanager
-    def locked(self) -> Iterator[None]:
-        """Hold the entry's lock. It lives beside the entry, not in it: a broken entry is renamed
-        away under the lock, and the next process must still wait on the same lock file."""
-        self.entry.mkdir(parents=True, exist_ok=True)
-        with open(self.root / f".{self.key}.lock", "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
-
-    def read_index(self) -> dict[str, dict[str, Any]]:
-        path = self.entry / "index.json"
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError) as e:
-            logger.warning("Compile cache index %s is unreadable (%s); treating the entry as empty.", path, e)
-            return {}
-        if data.get("version") != INDEX_VERSION:
-            return {}
-        return data.get("artifacts", {})
-
-    def write_index(self, artifacts: dict[str, dict[str, Any]]) -> None:
-        payload = {"version": INDEX_VERSION, "artifacts": artifacts}
-        atomic_write_bytes(self.entry / "index.json", json.dumps(payload, indent=1, sort_keys=True).encode())
-
-    def verified_path(self, name: str, index: dict[str, dict[str, Any]]) -> Path | None:
-        """The artifact's file if the index lists it and the file matches; None for a miss."""
-        record = index.get(name)
-        path = self.artifact_path(name)
-        if record is None or not path.is_file():
-            return None
-        if path.stat().st_size != record.get("bytes") or file_sha256(path) != record.get("sha256"):
-            raise ValueError(f"artifact {path} does not match its checksum (truncated or overwritten)")
-        return path
-
-    def record(self, name: str, index: dict[str, dict[str, Any]]) -> None:
-        path = self.artifact_path(name)
-        index[name] = {"sha256": file_sha256(path), "bytes": path.stat().st_size}
-
-    def set_aside(self, reason: str) -> Path:
-        """Rename a broken entry out of the way (kept for inspection) and start a fresh one."""
+    def set_aside(self, damages: list[Damage]) -> Path:
+        """Move damaged files (or the whole entry, if its index cannot be trusted) out of the way,
+        kept for inspection, and drop them from the index."""
+        assert self.writable, "the compile cache is written only under its lock"
+        self._wrote = True
         aside = self.root / f"{self.key}.broken-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-        os.replace(self.entry, aside)
-        logger.warning("Compile cache entry %s is broken (%s); moved it to %s and recompiling.", self.entry, reason, aside)
-        self.prepare()
+        if any(d.whole_entry for d in damages):
+            reason = next(d for d in damages if d.whole_entry)
+            os.replace(self.entry, aside)
+            logger.warning("Compile cache entry %s cannot be trusted (%s); moved it to %s and rebuilding it.",
+                           self.entry, reason, aside)
+            self.index, self._index_loaded = {}, True
+            self._verified.clear()
+            return aside
+        for d in damages:
+            source = self.entry / d.path
+            if source.exists():
+                (aside / d.path).parent.mkdir(parents=True, exist_ok=True)
+                os.replace(source, aside / d.path)
+            self.index.pop(d.path, None)
+            self._verified.pop(d.path, None)
+            logger.warning("Compile cache file %s %s; moved it to %s and rebuilding it.",
+                           self.entry / d.path, d.cause, aside / d.path)
+        self._write_index()
         return aside

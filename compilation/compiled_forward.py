@@ -13,9 +13,10 @@ from typing import Any
 
 import torch
 
-from compiled_llm.compilation.backend import CompilerBackend, CompileReport
-from compiled_llm.compilation.compile_cache import CompileCache, CompileCacheMissError
+from compiled_llm.compilation.backend import CompilerBackend
+from compiled_llm.compilation.compile_cache import CompileCache, CompileCacheError, read_signing_key
 from compiled_llm.compilation.config import CompilationConfig
+from compiled_llm.compilation.counters import CompileReport, counters
 from compiled_llm.compilation.traced_graph import DirectCall
 
 
@@ -31,27 +32,34 @@ class CompiledForward:
         from compiled_llm.compilation import inductor_settings
 
         inductor_settings.apply()
+        if config.cache_signing_key_file and cache.signing_key is None:
+            cache.signing_key = read_signing_key(config.cache_signing_key_file)
         self.model = model
+        self.config = config
+        self.cache = cache
         self.backend = CompilerBackend(config, cache, max_num_batched_tokens, model, progress)
         self.call: DirectCall | None = None
         self.seconds: float | None = None  # loading (warm) or tracing + compiling (cold)
-
-    @property
-    def report(self) -> CompileReport:
-        return self.backend.report
+        self.report: CompileReport | None = None  # what the start did (set by `trace`)
 
     def trace(self, *example_args: torch.Tensor) -> Any:
         """Load or trace and compile everything, then run `example_args` (token dimension > 1)."""
         for arg in example_args:
             if isinstance(arg, torch.Tensor) and arg.dim() and arg.shape[0] < 2:
                 raise ValueError("trace with at least 2 tokens: Dynamo specializes sizes 0 and 1")
+        before = counters.snapshot()
         started = time.perf_counter()
-        saved = self.backend.load_saved()
-        if saved is None:
-            self._trace_with_dynamo(example_args)
-            saved = self.backend.traced
+        with self.cache.opened(self.config.require_cache_hit):
+            saved = self.backend.load_saved()
+            if saved is None:
+                self._trace_with_dynamo(example_args)
+                saved = self.backend.traced
         self.call = DirectCall(self.backend.split, saved.bindings, self.model)
         self.seconds = time.perf_counter() - started
+        self.report = CompileReport.between(
+            before, counters, cache_dir=str(self.cache.entry),
+            compile_ranges=list(self.config.compile_ranges or []), compile_sizes=list(self.config.compile_sizes),
+        )
         return self.call(*example_args)
 
     def _trace_with_dynamo(self, example_args: tuple[torch.Tensor, ...]) -> None:
@@ -64,7 +72,7 @@ class CompiledForward:
         except torch._dynamo.exc.BackendCompilerFailed as e:
             # Surface our own errors (a strict-mode cache miss) as they are, not wrapped by Dynamo.
             inner = getattr(e, "inner_exception", None)
-            if isinstance(inner, CompileCacheMissError):
+            if isinstance(inner, CompileCacheError):
                 raise inner from None
             raise
         finally:

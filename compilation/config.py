@@ -68,6 +68,9 @@ class CompilationConfig:
     cudagraph_mode: CUDAGraphMode | None = None  # None: FULL_AND_PIECEWISE at -O2, else NONE
     cudagraph_capture_sizes: list[int] | None = None
     inductor_options: dict[str, Any] | None = None  # None: DEFAULT_INDUCTOR_OPTIONS for the device
+    # A file holding a secret key: precompile signs the cache entry with it, and a start accepts
+    # only an entry signed with it. Never part of the cache key, never logged.
+    cache_signing_key_file: str | None = None
 
     def resolve(self, device_type: str, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         """Fill every `None` with the default for the device and the scheduler's limits."""

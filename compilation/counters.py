@@ -1,8 +1,14 @@
-"""Counts of what the compiler side did, so tests can assert on work done rather than on timing."""
+"""Counts of what the compiler side did, so tests can assert on work done rather than on timing.
+
+They are the one tally: each event is counted once, where it happens (the adaptor counts
+compilations, saves and loads; the backend counts graphs and pieces), and what one start did
+(`CompileReport`) is the difference between two snapshots.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -24,5 +30,36 @@ class CompilationCounters:
     def reset(self) -> None:
         self.__dict__.update(CompilationCounters().__dict__)
 
+    def snapshot(self) -> "CompilationCounters":
+        return copy.copy(self)
+
 
 counters = CompilationCounters()
+
+
+@dataclass(frozen=True)
+class CompileReport:
+    """What one start-up did, for the log line and `precompile --json`: the counters' difference
+    between its beginning and its end."""
+
+    pieces: int = 0
+    unique_pieces: int = 0
+    inductor_compilations: int = 0
+    artifacts_saved: int = 0
+    artifacts_loaded: int = 0
+    traced: bool = False  # False: a warm start that loaded the saved graph instead of running Dynamo
+    cache_dir: str = ""
+    compile_ranges: list[tuple[int, int]] = field(default_factory=list)
+    compile_sizes: list[int] = field(default_factory=list)
+
+    @classmethod
+    def between(cls, before: CompilationCounters, after: CompilationCounters, **static) -> "CompileReport":
+        return cls(
+            pieces=after.num_pieces - before.num_pieces,
+            unique_pieces=after.num_unique_pieces - before.num_unique_pieces,
+            inductor_compilations=after.num_inductor_compilations - before.num_inductor_compilations,
+            artifacts_saved=after.num_artifacts_saved - before.num_artifacts_saved,
+            artifacts_loaded=after.num_artifacts_loaded - before.num_artifacts_loaded,
+            traced=after.num_graphs_traced > before.num_graphs_traced,
+            **static,
+        )

@@ -20,10 +20,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
-from compiled_llm.logger import init_logger
 from compiled_llm.utils import atomic_write_bytes
-
-logger = init_logger(__name__)
 
 GRAPH_FILE = "graph.pkl"
 META_FILE = "graph.json"
@@ -106,19 +103,22 @@ def save(entry: Path, traced: TracedGraph) -> None:
     atomic_write_bytes(entry / META_FILE, json.dumps(meta, indent=1).encode())
 
 
-def load(entry: Path) -> TracedGraph | None:
-    """The saved graph, or None when there is none (or it is from another format)."""
+def load_meta(folder: Path) -> tuple[list[Binding], list[PieceMeta]] | None:
+    """The saved graph's bindings and pieces, or None when there is no saved graph. Raises if
+    it cannot be read (damaged, or another format version)."""
     try:
-        meta = json.loads((entry / META_FILE).read_text())
-        if meta.get("version") != FORMAT_VERSION:
-            return None
-        graph = pickle.loads((entry / GRAPH_FILE).read_bytes())
-        return TracedGraph(graph, [Binding(**b) for b in meta["bindings"]], [PieceMeta(**p) for p in meta["pieces"]])
+        raw = (folder / META_FILE).read_bytes()
     except FileNotFoundError:
         return None
-    except Exception as e:  # truncated or damaged: never trusted, the cold path saves a new one
-        logger.warning("Saved graph in %s is unreadable (%s: %s); tracing again.", entry, type(e).__name__, e)
-        return None
+    meta = json.loads(raw)
+    if meta.get("version") != FORMAT_VERSION:
+        raise ValueError(f"format version {meta.get('version')}, this one reads {FORMAT_VERSION}")
+    return [Binding(**b) for b in meta["bindings"]], [PieceMeta(**p) for p in meta["pieces"]]
+
+
+def load_graph(folder: Path) -> fx.GraphModule:
+    """Unpickles the saved graph: only ever from a verified copy of the entry (it is code)."""
+    return pickle.loads((folder / GRAPH_FILE).read_bytes())
 
 
 class DirectCall:

@@ -47,6 +47,7 @@ class EngineArgs:
     cudagraph_mode: str | None = None
     cudagraph_capture_sizes: list[int] | None = None
     inductor_options: dict | None = None  # None: the device's defaults (CompilationConfig.resolve)
+    cache_signing_key_file: str | None = None
     num_threads: int | None = None
     load_format: str = "auto"
 
@@ -76,6 +77,7 @@ class EngineArgs:
             cudagraph_mode=CUDAGraphMode[self.cudagraph_mode.upper()] if self.cudagraph_mode else None,
             cudagraph_capture_sizes=self.cudagraph_capture_sizes,
             inductor_options=self.inductor_options,
+            cache_signing_key_file=self.cache_signing_key_file,
         )
         compilation_config.resolve(device.type, max_num_seqs, max_num_batched_tokens)
         return EngineConfig(
@@ -120,6 +122,9 @@ class EngineArgs:
         c.add_argument("--cudagraph-capture-sizes", type=_parse_sizes, default=None)
         c.add_argument("--inductor-options", type=json.loads, default=None,
                        help='Inductor config patches as JSON, e.g. \'{"cpp_wrapper": true}\' (default: tuned per device).')
+        c.add_argument("--cache-signing-key-file", default=None,
+                       help="File holding a secret key (16+ bytes): precompile signs the compile cache entry with it "
+                            "and a start refuses an entry not signed with it, before loading any of it.")
         return parser
 
     @classmethod

@@ -107,14 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from compiled_llm.compilation.compile_cache import CompileCacheMissError
+    from compiled_llm.compilation.compile_cache import CompileCacheError
 
     try:
         return args.run(args)
     except KeyboardInterrupt:
         return 130
-    except (CompileCacheMissError, ValueError, FileNotFoundError) as e:
-        # A user's mistake or a strict-mode cache miss: one clear line, no traceback.
+    except (CompileCacheError, ValueError, FileNotFoundError) as e:
+        # A user's mistake, a strict-mode cache miss or an unwritable cache: one clear line, no traceback.
         print(f"compiled-llm {args.command}: error: {e}", file=sys.stderr)
         return 1
 

@@ -19,9 +19,11 @@ MAX_TOKENS = 32
 CHECK_SIZES = (1, 2, 4, 5, 16, 17, 32)
 
 
-def toy_config(cache_dir: str, ranges=None, sizes=(), strict: bool = False) -> CompilationConfig:
+def toy_config(cache_dir: str, ranges=None, sizes=(), strict: bool = False,
+               signing_key_file: str | None = None) -> CompilationConfig:
     config = CompilationConfig(level=1, cache_dir=cache_dir, compile_ranges=ranges, compile_sizes=list(sizes),
-                               splitting_ops=list(SPLITTING_OPS), require_cache_hit=strict)
+                               splitting_ops=list(SPLITTING_OPS), require_cache_hit=strict,
+                               cache_signing_key_file=signing_key_file)
     config.resolve("cpu", max_num_seqs=8, max_num_batched_tokens=MAX_TOKENS)
     return config
 
@@ -33,12 +35,14 @@ def toy_factors(config: CompilationConfig, model: torch.nn.Module, dtype=torch.f
                            source_files=package_sources() + model_sources(model) + list(extra_sources))
 
 
-def compile_toy(cache_dir: str, ranges=None, sizes=(), strict: bool = False):
-    """Returns (model, compiled forward, counters snapshot)."""
+def compile_toy(cache_dir: str, ranges=None, sizes=(), strict: bool = False, signing_key_file: str | None = None,
+                key: str | None = None):
+    """Returns (model, compiled forward, counters snapshot). `key`: use this cache key instead of
+    computing it (the source hash changes whenever a package file is edited)."""
     model = ToyModel().eval()
-    config = toy_config(cache_dir, ranges, sizes, strict)
+    config = toy_config(cache_dir, ranges, sizes, strict, signing_key_file)
     factors = toy_factors(config, model)
-    cache = CompileCache(cache_dir, cache_key(factors), factors)
+    cache = CompileCache(cache_dir, key or cache_key(factors), factors)
     compiled = CompiledForward(model, config, cache, MAX_TOKENS, progress=False)
     with torch.inference_mode():
         compiled.trace(*inputs(8))
@@ -56,8 +60,10 @@ def max_error(model, compiled, sizes=CHECK_SIZES) -> float:
 
 def main() -> None:
     cache_dir, ranges, sizes, strict = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4] == "1"
+    options = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}  # signing_key_file, key
     try:
-        model, compiled, snapshot = compile_toy(cache_dir, [tuple(r) for r in ranges] if ranges else None, sizes, strict)
+        model, compiled, snapshot = compile_toy(cache_dir, [tuple(r) for r in ranges] if ranges else None, sizes, strict,
+                                                **options)
     except Exception as e:  # reported to the parent test as data
         print(json.dumps({"error": f"{type(e).__name__}: {e}"}))
         return
