@@ -252,7 +252,10 @@ def run_engine_core(
     except SystemExit:
         return
     except BaseException as e:
-        logger.exception("Engine core failed to start.")
+        from compiled_llm.compilation.compile_cache import CompileCacheError
+
+        if not isinstance(e, CompileCacheError):  # the user's to fix: the frontend says it in one line
+            logger.exception("Engine core failed to start.")
         conn.send_bytes(encoder.encode(Handshake(ok=False, error=f"{type(e).__name__}: {e}")))
         raise SystemExit(1)
     proc = EngineCoreProc(engine, input_address, output_address)

@@ -282,6 +282,14 @@ def test_a_refused_strict_start_leaves_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []  # no entry folder, no lock file
 
 
+def test_a_refused_strict_serve_is_one_line(tiny_llama, tmp_path):
+    out = subprocess.run(["compiled-llm", "serve", tiny_llama, "--compile-cache", str(tmp_path / "cache"),
+                          "--require-cache-hit", "--port", "0", *TINY_FLAGS], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 1
+    assert "Compile cache miss" in one_error_line(out.stderr)
+    assert not (tmp_path / "cache").exists()
+
+
 def test_stale_temp_files_are_removed_at_start(filled, tmp_path):
     root, entry = copy_of(filled, tmp_path)
     stale = [entry / ".index.json.k2j3h4.tmp", entry / "artifacts" / ".x-r1-32.bin.abcd.tmp",
