@@ -11,9 +11,10 @@ benchmarks/.vllm-venv or $VLLM_VENV) and never in our process: this module has t
 
 vLLM runs with the settings these machines need: VLLM_CPU_OMP_THREADS_BIND=0-<N-1> (its default
 leaves one of two cores idle), VLLM_CPU_KVCACHE_SPACE=4 (GiB), HF_HUB_OFFLINE=1 (a local folder);
-everything else is vLLM's default (V1 engine, engine core and worker in their own processes,
-torch.compile, chunked prefill with max_num_batched_tokens 4096 on a CPU), except prefix caching,
-which is off on both sides: the benchmarks send the same prompts again run after run.
+VLLM_USE_AOT_COMPILE=0 (its AOT artifact fails to load on this build, see vllm_env); everything
+else is vLLM's default (V1 engine, engine core and worker in their own processes, torch.compile,
+chunked prefill with max_num_batched_tokens 4096 on a CPU), except prefix caching, which is off on
+both sides: the benchmarks send the same prompts again run after run.
 
 How the figures are taken (the same way as ours, in throughput.py):
 - offline throughput: `LLM.generate` on the same token ids, max_tokens and ignore_eos per request.
@@ -73,6 +74,12 @@ def vllm_env(threads: int, cache_root: str | None = None, rpc: bool = False) -> 
     }
     env.pop("VIRTUAL_ENV", None)
     env.pop("PYTHONPATH", None)  # our environment's paths must not leak into vLLM's
+    # vllm-cpu 0.32.0 with torch 2.13 cannot load the AOT-compiled artifact it saves ("'function'
+    # object has no attribute 'finalize_loading'"), so with its default every start compiles again
+    # and a warm start is as slow as a cold one. Its other compile cache (per-piece Inductor
+    # artifacts under VLLM_CACHE_ROOT) loads: warm start 87 s instead of 190 s here. Override by
+    # setting VLLM_USE_AOT_COMPILE yourself.
+    env.setdefault("VLLM_USE_AOT_COMPILE", "0")
     if cache_root is not None:
         env["VLLM_CACHE_ROOT"] = cache_root
         env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_root, "inductor")

