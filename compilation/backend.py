@@ -24,8 +24,8 @@ from tqdm.auto import tqdm
 from compiled_llm.compilation import traced_graph
 from compiled_llm.compilation.compile_cache import CompileCache, CompileCacheMissError, Damage
 from compiled_llm.compilation.config import CompilationConfig, CUDAGraphMode
-from compiled_llm.compilation.cuda_graph import CUDAGraphWrapper
 from compiled_llm.compilation.counters import counters
+from compiled_llm.compilation.cuda_graph import CUDAGraphWrapper
 from compiled_llm.compilation.inductor_adaptor import CompiledPiece, InductorAdaptor, graph_returns_tuple
 from compiled_llm.compilation.partition import split_graph, structural_hash
 from compiled_llm.compilation.piecewise_backend import PiecewiseBackend, ShapeSpec, shape_specs
@@ -194,7 +194,7 @@ class CompilerBackend:
     ) -> None:
         self.config = config
         self.cache = cache
-        self.specs = shape_specs(config.compile_ranges or [(1, max_num_batched_tokens)], config.compile_sizes)
+        self.specs = shape_specs(config.compile_ranges, config.compile_sizes)
         self.adaptor = InductorAdaptor(config.inductor_options)
         self.manager = CompilerManager(cache, self.adaptor, self.specs, config.require_cache_hit, progress)
         self.named_tensors = {id(t): n for n, t in model.named_parameters(remove_duplicate=False)}
@@ -287,7 +287,7 @@ class CompilerBackend:
 
     # ---- shared ---------------------------------------------------------------------------------
     def _install(self, split: fx.GraphModule, metas: list[PieceMeta], artifacts: dict[tuple[str, ShapeSpec], Any]) -> None:
-        piecewise = bool(self.config.cudagraph_mode and self.config.cudagraph_mode.has_piecewise_cudagraphs())
+        piecewise = self.config.cudagraph_mode.has_piecewise_cudagraphs()
         for meta in metas:
             runnables = {spec: CompiledPiece(artifacts[meta.piece_hash, spec], meta.returns_tuple) for spec in self.specs}
             backend = PiecewiseBackend(meta.name, (meta.token_index, meta.token_is_int), runnables)

@@ -15,12 +15,16 @@ import json
 import platform
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 import compiled_llm
 from compiled_llm.compilation.config import CompilationConfig
+
+if TYPE_CHECKING:
+    from compiled_llm.compilation.compile_cache import CompileCache
+    from compiled_llm.config import EngineConfig
 
 
 def _hash_text(text: str) -> str:
@@ -111,7 +115,7 @@ def compute_factors(
         "model_config": model,
         "dtype": str(dtype),
         "max_num_batched_tokens": max_num_batched_tokens,
-        "compile_ranges": [list(r) for r in compilation_config.compile_ranges or []],
+        "compile_ranges": [list(r) for r in compilation_config.compile_ranges],
         "compile_sizes": list(compilation_config.compile_sizes),
         "splitting_ops": sorted(compilation_config.splitting_ops),
         "sources": sources_hash(source_files),
@@ -121,3 +125,28 @@ def compute_factors(
 
 def cache_key(factors: dict[str, Any]) -> str:
     return _hash_text(json.dumps(factors, sort_keys=True, default=repr))[:16]
+
+
+def engine_cache_factors(config: EngineConfig) -> dict[str, Any]:
+    """The factors for an engine's settings: no model is built (every source file of the package,
+    the models' included, is hashed), so `precompile --print-cache-key` answers at once."""
+    from compiled_llm.kernels.cpu_extension import uses_cpu_kernels
+
+    mc = config.model_config
+    return compute_factors(
+        hf_config=mc.hf_config,
+        dtype=mc.dtype,
+        device=config.torch_device,
+        compilation_config=config.compilation_config,
+        max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
+        source_files=package_sources(),
+        cpu_kernels=uses_cpu_kernels(config.torch_device, mc.dtype),  # what the model's layers call
+    )
+
+
+def engine_compile_cache(config: EngineConfig) -> CompileCache:
+    """The compile cache entry an engine with these settings reads and fills."""
+    from compiled_llm.compilation.compile_cache import CompileCache
+
+    factors = engine_cache_factors(config)
+    return CompileCache(config.compilation_config.cache_dir, cache_key(factors), factors)

@@ -58,7 +58,7 @@ class CompiledForward:
         self.seconds = time.perf_counter() - started
         self.report = CompileReport.between(
             before, counters, cache_dir=str(self.cache.entry),
-            compile_ranges=list(self.config.compile_ranges or []), compile_sizes=list(self.config.compile_sizes),
+            compile_ranges=list(self.config.compile_ranges), compile_sizes=list(self.config.compile_sizes),
         )
         return self.call(*example_args)
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 # The ops the traced graph is split around. They run eagerly between the compiled pieces.
 DEFAULT_SPLITTING_OPS = ("compiled_llm::attention",)
@@ -45,9 +45,6 @@ class CUDAGraphMode(enum.Enum):
     def has_piecewise_cudagraphs(self) -> bool:
         return CUDAGraphMode.PIECEWISE in (self.decode_mode(), self.mixed_mode())
 
-    def separate_routine(self) -> bool:
-        return isinstance(self.value, tuple)
-
 
 def default_capture_sizes(max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
     """vLLM's shape of capture sizes: 1, 2, 4, then multiples of 8 up to a bound set by max_num_seqs."""
@@ -59,61 +56,89 @@ def default_capture_sizes(max_num_seqs: int, max_num_batched_tokens: int) -> lis
 
 @dataclass
 class CompilationConfig:
-    level: int | None = None  # -O: 0 eager, 1 compiled pieces, 2 pieces + CUDA graphs; None: per device
-    cache_dir: str | None = None  # root of the compile cache; None: under the user cache dir
-    compile_ranges: list[tuple[int, int]] | None = None  # None: one range [1, max_num_batched_tokens]
-    compile_sizes: list[int] = field(default_factory=list)
-    splitting_ops: list[str] = field(default_factory=lambda: list(DEFAULT_SPLITTING_OPS))
-    require_cache_hit: bool = False
-    cudagraph_mode: CUDAGraphMode | None = None  # None: FULL_AND_PIECEWISE at -O2, else NONE
-    cudagraph_capture_sizes: list[int] | None = None
-    inductor_options: dict[str, Any] | None = None  # None: DEFAULT_INDUCTOR_OPTIONS for the device
+    """How the model is compiled, every value resolved for the device and the scheduler's limits:
+    build one with `CompilationConfig.resolve` (which also checks the settings)."""
+
+    level: int  # -O: 0 eager, 1 compiled pieces, 2 pieces + CUDA graphs
+    cache_dir: str  # root of the compile cache
+    compile_ranges: list[tuple[int, int]]  # token-count ranges compiled symbolically
+    compile_sizes: list[int]  # token counts compiled for their exact shape
+    splitting_ops: list[str]
+    require_cache_hit: bool
+    cudagraph_mode: CUDAGraphMode
+    cudagraph_capture_sizes: list[int]
+    inductor_options: dict[str, Any]
     # A file holding a secret key: precompile signs the cache entry with it, and a start accepts
     # only an entry signed with it. Never part of the cache key, never logged.
     cache_signing_key_file: str | None = None
 
-    def resolve(self, device_type: str, max_num_seqs: int, max_num_batched_tokens: int) -> None:
-        """Fill every `None` with the default for the device and the scheduler's limits."""
-        if self.level is None:
-            self.level = 2 if device_type == "cuda" else 1
-        if self.level not in (0, 1, 2):
-            raise ValueError(f"optimization level must be 0, 1 or 2, got {self.level}.")
-        if self.compile_ranges is None:
-            self.compile_ranges = [(1, max_num_batched_tokens)]
-        self.compile_ranges = sorted((int(lo), int(hi)) for lo, hi in self.compile_ranges)
-        for lo, hi in self.compile_ranges:
+    @classmethod
+    def resolve(
+        cls,
+        device_type: str,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        *,
+        level: int | None = None,
+        cache_dir: str | None = None,
+        compile_ranges: list[tuple[int, int]] | None = None,
+        compile_sizes: Sequence[int] = (),
+        splitting_ops: Sequence[str] = DEFAULT_SPLITTING_OPS,
+        require_cache_hit: bool = False,
+        cudagraph_mode: CUDAGraphMode | None = None,
+        cudagraph_capture_sizes: Sequence[int] | None = None,
+        inductor_options: dict[str, Any] | None = None,
+        cache_signing_key_file: str | None = None,
+    ) -> "CompilationConfig":
+        """The config for `device_type`, a None standing for the default: -O2 on a GPU and -O1 on a
+        CPU, one range [1, max_num_batched_tokens], the cache under the user cache dir, full and
+        piecewise CUDA graphs at -O2 on a GPU (none elsewhere), the device's Inductor options."""
+        from compiled_llm.compilation.compile_cache import default_cache_root
+
+        if level is None:
+            level = 2 if device_type == "cuda" else 1
+        if level not in (0, 1, 2):
+            raise ValueError(f"optimization level must be 0, 1 or 2, got {level}.")
+        ranges = sorted((int(lo), int(hi)) for lo, hi in (compile_ranges or [(1, max_num_batched_tokens)]))
+        for lo, hi in ranges:
             if not 1 <= lo <= hi <= max_num_batched_tokens:
                 raise ValueError(
                     f"compile range [{lo}, {hi}] must lie within [1, max_num_batched_tokens="
                     f"{max_num_batched_tokens}]."
                 )
-        for (_, hi), (lo, _) in zip(self.compile_ranges, self.compile_ranges[1:]):
+        for (_, hi), (lo, _) in zip(ranges, ranges[1:]):
             if lo <= hi:
-                raise ValueError(f"compile ranges overlap: {self.compile_ranges}.")
-        self.compile_sizes = sorted({int(s) for s in self.compile_sizes})
-        for s in self.compile_sizes:
+                raise ValueError(f"compile ranges overlap: {ranges}.")
+        sizes = sorted({int(s) for s in compile_sizes})
+        for s in sizes:
             if not 1 <= s <= max_num_batched_tokens:
                 raise ValueError(f"compile size {s} is outside [1, {max_num_batched_tokens}].")
         # Every step size must have code compiled at start-up: nothing compiles while serving.
-        bounds = [(0, 0), *self.compile_ranges, (max_num_batched_tokens + 1, max_num_batched_tokens + 1)]
-        sizes = set(self.compile_sizes)
+        bounds = [(0, 0), *ranges, (max_num_batched_tokens + 1, max_num_batched_tokens + 1)]
         for (_, hi), (lo, _) in zip(bounds, bounds[1:]):
-            uncovered = [n for n in range(hi + 1, lo) if n not in sizes]
+            uncovered = [n for n in range(hi + 1, lo) if n not in set(sizes)]
             if uncovered:
                 raise ValueError(
-                    f"compile ranges {self.compile_ranges} and sizes {self.compile_sizes} leave token counts "
+                    f"compile ranges {ranges} and sizes {sizes} leave token counts "
                     f"{uncovered[0]}..{uncovered[-1]} of [1, max_num_batched_tokens={max_num_batched_tokens}] "
                     f"without compiled code."
                 )
-        if self.cudagraph_mode is None:
-            on_gpu = device_type == "cuda" and self.level >= 2
-            self.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE if on_gpu else CUDAGraphMode.NONE
         if device_type != "cuda":
-            self.cudagraph_mode = CUDAGraphMode.NONE
-        if self.inductor_options is None:
-            self.inductor_options = dict(DEFAULT_INDUCTOR_OPTIONS.get(device_type, {}))
-        if self.cudagraph_capture_sizes is None:
-            self.cudagraph_capture_sizes = default_capture_sizes(max_num_seqs, max_num_batched_tokens)
-        self.cudagraph_capture_sizes = sorted(
-            {s for s in self.cudagraph_capture_sizes if 1 <= s <= max_num_batched_tokens}
+            cudagraph_mode = CUDAGraphMode.NONE
+        elif cudagraph_mode is None:
+            cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE if level >= 2 else CUDAGraphMode.NONE
+        if cudagraph_capture_sizes is None:
+            cudagraph_capture_sizes = default_capture_sizes(max_num_seqs, max_num_batched_tokens)
+        return cls(
+            level=level,
+            cache_dir=str(cache_dir or default_cache_root()),
+            compile_ranges=ranges,
+            compile_sizes=sizes,
+            splitting_ops=list(splitting_ops),
+            require_cache_hit=require_cache_hit,
+            cudagraph_mode=cudagraph_mode,
+            cudagraph_capture_sizes=sorted({s for s in cudagraph_capture_sizes if 1 <= s <= max_num_batched_tokens}),
+            inductor_options=dict(DEFAULT_INDUCTOR_OPTIONS.get(device_type, {}) if inductor_options is None
+                                  else inductor_options),
+            cache_signing_key_file=cache_signing_key_file,
         )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +80,7 @@ class ModelConfig:
     served_model_name: str
     seed: int = 0
     max_logprobs: int = 20  # the most logprobs (and top_logprobs) a request may ask for
+    load_format: str = "auto"  # "auto": the folder's safetensors; "dummy": random weights (no checkpoint)
 
     @property
     def architecture(self) -> str:
@@ -114,6 +115,8 @@ class ModelConfig:
         max_model_len: int | None = None,
         served_model_name: str | None = None,
         seed: int = 0,
+        max_logprobs: int = 20,
+        load_format: str = "auto",
     ) -> "ModelConfig":
         from transformers import AutoConfig
 
@@ -154,6 +157,8 @@ class ModelConfig:
             eos_token_ids=_eos_token_ids(folder, hf_config),
             served_model_name=served_model_name or folder.name,
             seed=seed,
+            max_logprobs=max_logprobs,
+            load_format=load_format,
         )
 
 
@@ -174,15 +179,20 @@ def _eos_token_ids(folder: Path, hf_config: Any) -> list[int]:
 class CacheConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
-    kv_cache_memory_bytes: int | None = None
+    kv_cache_memory_bytes: int | None = None  # None: measured (GPU) or a share of free memory (CPU)
     gpu_memory_utilization: float = 0.9
-    num_blocks: int | None = None  # decided by the model runner from the memory budget
+    num_blocks: int | None = None  # decided by the model runner from the memory budget, at start-up
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}.")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError("kv_cache_memory_bytes must be positive.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
+
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass
@@ -190,6 +200,16 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    # "fcfs": arrival order. "priority": lower `priority` first (then arrival); when the KV cache
+    # runs out, the lowest-priority running request is preempted.
+    policy: str = "fcfs"
+    # Schedule step N+1 while the device runs step N; sampled tokens reach the host a step late.
+    async_scheduling: bool = False
+
+    @staticmethod
+    def default_limits(device_type: str) -> tuple[int, int]:
+        """(max_num_seqs, max_num_batched_tokens) when not given: bigger batches on a GPU."""
+        return (256, 8192) if device_type == "cuda" else (128, 2048)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -199,6 +219,8 @@ class SchedulerConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                 f"({self.max_num_seqs}): every running request needs a token per step."
             )
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"Unknown scheduling policy {self.policy!r}; use one of {', '.join(SCHEDULING_POLICIES)}.")
 
 
 @dataclass
@@ -208,8 +230,7 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     compilation_config: CompilationConfig
     device: str = "cpu"
-    num_threads: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    num_threads: int | None = None  # CPU threads of the engine process; None on a GPU
 
     @property
     def torch_device(self) -> torch.device:

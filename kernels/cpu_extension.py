@@ -67,3 +67,9 @@ def cpu_kernels_available() -> bool:
     except Exception as e:  # no compiler, no headers, an unsupported platform
         logger.warning("C++ CPU kernels unavailable (%s); using the torch implementation.", e)
         return False
+
+
+def uses_cpu_kernels(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a model on `device` in `dtype` calls the C++ CPU kernels: fp32 on a CPU, where they
+    can be built (this builds them, once per machine)."""
+    return device.type == "cpu" and dtype == torch.float32 and cpu_kernels_available()

@@ -27,11 +27,3 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64, -1 for padded tokens
     query_start_loc_cpu: np.ndarray
     seq_lens_cpu: np.ndarray
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decodes
-
-    @property
-    def num_prefills(self) -> int:
-        return self.num_reqs - self.num_decodes

@@ -138,7 +138,7 @@ def _unified_attention_kernel(
     kv_len = tl.minimum(seq_len, context_len + first_q + BLOCK_Q)
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DIM], tl.float32)
     key_cache_ptr = cache_ptr + kv_head * stride_c_head
     block_table_ptr = block_tables_ptr + req.to(tl.int64) * stride_bt
@@ -161,11 +161,11 @@ def _unified_attention_kernel(
         m_new = tl.maximum(m, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m - m_new)
-        l = l * alpha + tl.sum(p, 1)
+        row_sum = row_sum * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
 
-    out = acc / tl.where(l > 0.0, l, 1.0)[:, None]
+    out = acc / tl.where(row_sum > 0.0, row_sum, 1.0)[:, None]
     tl.store(
         out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh
         + dims[None, :] * stride_od,

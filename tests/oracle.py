@@ -60,8 +60,9 @@ def check_close(ours: list[GreedyRun], theirs: list[GreedyRun], name_a: str = "o
         assert len(a.token_ids) == len(b.token_ids), f"prompt {i}: lengths {len(a.token_ids)} vs {len(b.token_ids)}"
         for pos, (ta, tb) in enumerate(zip(a.token_ids, b.token_ids)):
             if ta != tb:
-                assert ta in b.top_ids[pos], f"prompt {i} pos {pos}: {name_a} token {ta} not in {name_b} top-5 {b.top_ids[pos]}"
-                assert tb in a.top_ids[pos], f"prompt {i} pos {pos}: {name_b} token {tb} not in {name_a} top-5 {a.top_ids[pos]}"
+                where = f"prompt {i} pos {pos}"
+                assert ta in b.top_ids[pos], f"{where}: {name_a} token {ta} not in {name_b} top-5 {b.top_ids[pos]}"
+                assert tb in a.top_ids[pos], f"{where}: {name_b} token {tb} not in {name_a} top-5 {a.top_ids[pos]}"
                 break
         else:
             exact += 1

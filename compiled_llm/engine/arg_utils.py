@@ -1,18 +1,35 @@
-"""`EngineArgs`: the user-facing engine settings (shared by `LLM`, `serve` and `precompile`),
-their CLI flags, and their resolution into an `EngineConfig`."""
+"""`EngineArgs`: the user-facing engine settings (shared by `LLM`, `serve`, `precompile` and
+`generate`), the command-line flags generated from them, and their resolution into the configs.
+
+Each field's default is stated once: a setting that has one fixed default takes it from its
+config class (`CacheConfig.block_size`); a setting whose default depends on the device or on
+other settings is None here ("auto") and is resolved in `create_engine_config`, after which every
+config holds concrete values only. The flags are generated from the fields (name, type, help),
+as vLLM builds its own from its `EngineArgs`, so a new setting is one field.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass, field, fields
+import types
+import typing
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, Callable
 
 from compiled_llm.compilation.config import CompilationConfig, CUDAGraphMode
-from compiled_llm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, default_num_threads
+from compiled_llm.config import (
+    SCHEDULING_POLICIES,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    default_num_threads,
+)
 from compiled_llm.utils import default_device
 
 
-def _parse_ranges(text: str) -> list[tuple[int, int]]:
+def parse_ranges(text: str) -> list[tuple[int, int]]:
     """'1-64,65-2048' -> [(1, 64), (65, 2048)]"""
     ranges = []
     for part in text.split(","):
@@ -21,65 +38,108 @@ def _parse_ranges(text: str) -> list[tuple[int, int]]:
     return ranges
 
 
-def _parse_sizes(text: str) -> list[int]:
+def parse_sizes(text: str) -> list[int]:
     return [int(s) for s in text.split(",") if s.strip()]
+
+
+def flag(help: str, *, group: str = "engine", short: str | None = None, choices: Any = None,
+         parse: Callable[[str], Any] | None = None, metavar: str | None = None) -> dict[str, Any]:
+    """A field's command-line flag: `--field-name` (and `short`), typed from its annotation unless
+    `parse` says how, in the help `group`."""
+    return {"help": help, "group": group, "short": short, "choices": choices, "parse": parse, "metavar": metavar}
+
+
+def _setting(default: Any, *args: Any, **kwargs: Any) -> Any:
+    return field(default=default, metadata=flag(*args, **kwargs))
 
 
 @dataclass
 class EngineArgs:
-    model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
-    served_model_name: str | None = None
-    dtype: str = "auto"
-    device: str | None = None
-    seed: int = 0
-    max_model_len: int | None = None
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9
-    optimization_level: int | None = None
-    compile_cache: str | None = None
-    compile_ranges: list[tuple[int, int]] | None = None
-    compile_sizes: list[int] = field(default_factory=list)
-    require_cache_hit: bool = False
-    cudagraph_mode: str | None = None
-    cudagraph_capture_sizes: list[int] | None = None
-    inductor_options: dict | None = None  # None: the device's defaults (CompilationConfig.resolve)
-    cache_signing_key_file: str | None = None
-    num_threads: int | None = None
-    load_format: str = "auto"
+    model: str | None = field(default=None, metadata={"positional": True, "help": (
+        "Hugging Face model folder (default: the bundled SmolLM2-135M-Instruct).")})
+    served_model_name: str | None = _setting(None, "The model's name in the API (default: the folder's name).")
+    dtype: str = _setting("auto", "auto: bf16 on a CPU with native bf16, else float32; on a GPU the checkpoint's.",
+                          choices=["auto", "float32", "bfloat16", "float16"])
+    device: str | None = _setting(None, "cpu or cuda (default: cuda when available).")
+    seed: int = _setting(0, "Seed of the engine's random state.")
+    max_model_len: int | None = _setting(None, "Longest sequence, prompt and output (default: the model's).")
+    max_logprobs: int = _setting(ModelConfig.max_logprobs, "The most logprobs a request may ask for.")
+    load_format: str = _setting(ModelConfig.load_format, "auto: the folder's weights; dummy: random ones.",
+                                choices=["auto", "dummy"])
+    max_num_seqs: int | None = _setting(None, "Most requests in one step (default: 128 on a CPU, 256 on a GPU).")
+    max_num_batched_tokens: int | None = _setting(
+        None, "Most tokens in one step (default: 2048 on a CPU, 8192 on a GPU).")
+    scheduling_policy: str = _setting(SchedulerConfig.policy, "fcfs: arrival order; priority: a request's "
+                                      "`priority` (lower first), preempting lower ones.", choices=SCHEDULING_POLICIES)
+    async_scheduling: bool | None = _setting(
+        None, "Schedule the next step while the device runs this one (default: on a GPU; a CPU gains nothing).")
+    block_size: int = _setting(CacheConfig.block_size, "Tokens per KV-cache block.")
+    enable_prefix_caching: bool = _setting(CacheConfig.enable_prefix_caching, "Reuse the KV cache of shared prefixes.")
+    kv_cache_memory_bytes: int | None = _setting(
+        None, "KV-cache size (default: measured on a GPU, up to 2 GiB and a fifth of free memory on a CPU).")
+    gpu_memory_utilization: float = _setting(CacheConfig.gpu_memory_utilization,
+                                             "Share of the GPU's memory this engine may use.")
+    num_threads: int | None = _setting(None, "CPU threads (default: COMPILED_LLM_NUM_THREADS, else all cores).")
+    optimization_level: int | None = _setting(
+        None, "0 eager, 1 compiled pieces, 2 pieces + CUDA graphs (default: 1 on a CPU, 2 on a GPU).",
+        group="compilation", short="-O", choices=[0, 1, 2])
+    compile_cache: str | None = _setting(None, "Compile cache folder (default: under the user cache).",
+                                         group="compilation", metavar="DIR")
+    compile_ranges: list[tuple[int, int]] | None = _setting(
+        None, "Token-count ranges compiled symbolically, e.g. 1-64,65-2048 (default: one range to "
+        "max_num_batched_tokens).", group="compilation", parse=parse_ranges)
+    compile_sizes: list[int] = field(default_factory=list, metadata=flag(
+        "Token counts compiled for their exact shape, e.g. 1,2,4,8.", group="compilation", parse=parse_sizes))
+    require_cache_hit: bool = _setting(False, "Fail instead of compiling when the compile cache misses.",
+                                       group="compilation")
+    cudagraph_mode: str | None = _setting(None, "CUDA-graph mode (default: full_and_piecewise at -O2 on a GPU).",
+                                          group="compilation", choices=[m.name.lower() for m in CUDAGraphMode])
+    cudagraph_capture_sizes: list[int] | None = _setting(None, "Token counts captured as CUDA graphs.",
+                                                         group="compilation", parse=parse_sizes)
+    inductor_options: dict | None = _setting(
+        None, 'Inductor config patches as JSON, e.g. \'{"cpp_wrapper": true}\' (default: tuned per device).',
+        group="compilation", parse=json.loads)
+    cache_signing_key_file: str | None = _setting(
+        None, "File holding a secret key (16+ bytes): precompile signs the compile cache entry with it and a "
+        "start refuses an entry not signed with it, before loading any of it.", group="compilation")
 
     def create_engine_config(self) -> EngineConfig:
-        device = default_device() if self.device is None else __import__("torch").device(self.device)
-        model = self.model
-        name = self.served_model_name
+        import torch
+
+        device = default_device() if self.device is None else torch.device(self.device)
+        model, name = self.model, self.served_model_name
         if model is None:
             from compiled_llm.models.bundled import BUNDLED_MODEL_NAME, bundled_model_path
 
             model = str(bundled_model_path())
             name = name or BUNDLED_MODEL_NAME
-        model_config = ModelConfig.from_folder(model, self.dtype, device, self.max_model_len, name, self.seed)
-        on_gpu = device.type == "cuda"
-        max_num_seqs = self.max_num_seqs or (256 if on_gpu else 128)
-        max_num_batched_tokens = self.max_num_batched_tokens or max(8192 if on_gpu else 2048, max_num_seqs)
-        scheduler_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, model_config.max_model_len)
+        model_config = ModelConfig.from_folder(
+            model, self.dtype, device, self.max_model_len, name, self.seed, self.max_logprobs, self.load_format
+        )
+        default_seqs, default_tokens = SchedulerConfig.default_limits(device.type)
+        max_num_seqs = self.max_num_seqs or default_seqs
+        max_num_batched_tokens = self.max_num_batched_tokens or max(default_tokens, max_num_seqs)
+        async_scheduling = device.type == "cuda" if self.async_scheduling is None else self.async_scheduling
+        scheduler_config = SchedulerConfig(
+            max_num_seqs, max_num_batched_tokens, model_config.max_model_len, self.scheduling_policy, async_scheduling
+        )
         cache_config = CacheConfig(
             self.block_size, self.enable_prefix_caching, self.kv_cache_memory_bytes, self.gpu_memory_utilization
         )
-        compilation_config = CompilationConfig(
+        compilation_config = CompilationConfig.resolve(
+            device.type,
+            max_num_seqs,
+            max_num_batched_tokens,
             level=self.optimization_level,
             cache_dir=self.compile_cache,
             compile_ranges=self.compile_ranges,
-            compile_sizes=list(self.compile_sizes),
+            compile_sizes=self.compile_sizes,
             require_cache_hit=self.require_cache_hit,
             cudagraph_mode=CUDAGraphMode[self.cudagraph_mode.upper()] if self.cudagraph_mode else None,
             cudagraph_capture_sizes=self.cudagraph_capture_sizes,
             inductor_options=self.inductor_options,
             cache_signing_key_file=self.cache_signing_key_file,
         )
-        compilation_config.resolve(device.type, max_num_seqs, max_num_batched_tokens)
         return EngineConfig(
             model_config,
             cache_config,
@@ -87,44 +147,36 @@ class EngineArgs:
             compilation_config,
             device=str(device),
             num_threads=self.num_threads or (default_num_threads() if device.type == "cpu" else None),
-            extra={"load_format": self.load_format},
         )
 
     # ---- command line ---------------------------------------------------------------------------
-    @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser, with_model: bool = True) -> argparse.ArgumentParser:
-        if with_model:
-            parser.add_argument("model", nargs="?", default=None,
-                                help="Hugging Face model folder (default: the bundled SmolLM2-135M-Instruct).")
-        g = parser.add_argument_group("engine")
-        g.add_argument("--served-model-name", default=None)
-        g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-        g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available).")
-        g.add_argument("--seed", type=int, default=0)
-        g.add_argument("--max-model-len", type=int, default=None)
-        g.add_argument("--max-num-seqs", type=int, default=None)
-        g.add_argument("--max-num-batched-tokens", type=int, default=None)
-        g.add_argument("--block-size", type=int, default=16)
-        g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-        g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-        g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-        g.add_argument("--num-threads", type=int, default=None, help="CPU threads (default: all cores).")
-        g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-        c = parser.add_argument_group("compilation")
-        c.add_argument("-O", "--optimization-level", dest="optimization_level", type=int, default=None,
-                       help="0 eager, 1 compiled pieces, 2 pieces + CUDA graphs (default: 1 on CPU, 2 on GPU).")
-        c.add_argument("--compile-cache", default=None, help="Compile cache folder (default: under the user cache).")
-        c.add_argument("--compile-ranges", type=_parse_ranges, default=None, help="e.g. 1-64,65-2048")
-        c.add_argument("--compile-sizes", type=_parse_sizes, default=[], help="e.g. 1,2,4,8")
-        c.add_argument("--require-cache-hit", action="store_true",
-                       help="Fail instead of compiling when the compile cache misses.")
-        c.add_argument("--cudagraph-mode", default=None, choices=[m.name.lower() for m in CUDAGraphMode])
-        c.add_argument("--cudagraph-capture-sizes", type=_parse_sizes, default=None)
-        c.add_argument("--inductor-options", type=json.loads, default=None,
-                       help='Inductor config patches as JSON, e.g. \'{"cpp_wrapper": true}\' (default: tuned per device).')
-        c.add_argument("--cache-signing-key-file", default=None,
-                       help="File holding a secret key (16+ bytes): precompile signs the compile cache entry with it "
-                            "and a start refuses an entry not signed with it, before loading any of it.")
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, with_model: bool = True) -> argparse.ArgumentParser:
+        """One flag per field (`--max-num-seqs` for `max_num_seqs`), grouped as the help shows them."""
+        hints = typing.get_type_hints(cls)
+        groups: dict[str, Any] = {}
+        for f in fields(cls):
+            meta = f.metadata
+            if meta.get("positional"):
+                if with_model:
+                    parser.add_argument(f.name, nargs="?", default=None, help=meta["help"])
+                continue
+            if meta["group"] not in groups:
+                groups[meta["group"]] = parser.add_argument_group(meta["group"])
+            group = groups[meta["group"]]
+            names = [f"--{f.name.replace('_', '-')}"] + ([meta["short"]] if meta["short"] else [])
+            default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+            kwargs: dict[str, Any] = {"dest": f.name, "default": default, "help": meta["help"]}
+            if meta["metavar"]:
+                kwargs["metavar"] = meta["metavar"]
+            kind = _scalar_type(hints[f.name])
+            if kind is bool:
+                kwargs["action"] = argparse.BooleanOptionalAction
+            else:
+                kwargs["type"] = meta["parse"] or kind
+                if meta["choices"] is not None:
+                    kwargs["choices"] = list(meta["choices"])
+            group.add_argument(*names, **kwargs)
         return parser
 
     @classmethod
@@ -134,3 +186,12 @@ class EngineArgs:
 
     def to_json(self) -> str:
         return json.dumps({f.name: getattr(self, f.name) for f in fields(self)})
+
+
+def _scalar_type(hint: Any) -> Any:
+    """`int | None` -> int; `bool` -> bool; anything else (lists, dicts) -> str (a `parse` reads it)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(hint) if a is not type(None)]
+        hint = options[0] if len(options) == 1 else hint
+    base = hint
+    return base if base in (bool, int, float, str) else str

@@ -19,12 +19,12 @@ from compiled_llm.config import EngineConfig
 from compiled_llm.engine.arg_utils import EngineArgs
 from compiled_llm.engine.chat_templates import ChatTemplateRenderer
 from compiled_llm.engine.core_client import AsyncMPClient, EngineDeadError
-from compiled_llm.engine.messages import EngineCoreOutput
 from compiled_llm.engine.metrics import EngineMetrics
 from compiled_llm.engine.output_processor import OutputProcessor
 from compiled_llm.engine.processor import Processor, PromptType
 from compiled_llm.engine.tokenizer import get_tokenizer
 from compiled_llm.logger import init_logger
+from compiled_llm.messages.engine_core import EngineCoreOutput
 from compiled_llm.outputs import RequestOutput
 from compiled_llm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -82,7 +82,7 @@ class AsyncLLM:
         self.config = config
         self.model_config = config.model_config
         self.tokenizer = get_tokenizer(config.model_config.model)
-        self.processor = Processor(self.model_config, self.tokenizer)
+        self.processor = Processor(self.model_config, self.tokenizer, config.scheduler_config.policy)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics(self.model_config.served_model_name)
         self.output_processor.on_output = self.metrics.on_output
@@ -93,8 +93,6 @@ class AsyncLLM:
         self.chat_renderer = ChatTemplateRenderer(config.model_config.model)
         self._streams: dict[str, RequestStream] = {}
         self._handler: asyncio.Task | None = None
-        self.dead_error: EngineDeadError | None = None
-        self._dead = asyncio.Event()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, engine_timeout_s: float = 120.0) -> "AsyncLLM":
@@ -102,6 +100,10 @@ class AsyncLLM:
         return cls(args.create_engine_config(), engine_timeout_s)
 
     # ---- state -------------------------------------------------------------------------------
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        return self.client.dead_error
+
     @property
     def errored(self) -> bool:
         return self.dead_error is not None
@@ -119,9 +121,7 @@ class AsyncLLM:
             raise EngineDeadError(str(self.dead_error))
 
     async def wait_until_dead(self) -> EngineDeadError:
-        await self._dead.wait()
-        assert self.dead_error is not None
-        return self.dead_error
+        return await self.client.wait_until_dead()
 
     def start(self) -> None:
         """Start the output handler on the running loop (the first request starts it otherwise);
@@ -238,10 +238,8 @@ class AsyncLLM:
             self._fail_all(EngineDeadError(f"The output handler failed: {e}"))
 
     def _fail_all(self, error: EngineDeadError) -> None:
-        if self.dead_error is None:
-            self.dead_error = error
-        self._end_streams(error)
-        self._dead.set()
+        self.client.mark_dead(error)
+        self._end_streams(self.dead_error or error)
 
     def _end_streams(self, error: EngineDeadError) -> None:
         streams = list(self._streams.values())

@@ -24,10 +24,10 @@ import zmq
 import zmq.asyncio
 
 from compiled_llm.config import EngineConfig
-from compiled_llm.engine.core_proc import Handshake, run_engine_core, run_utility
-from compiled_llm.engine.engine_core import EngineCore
-from compiled_llm.engine.messages import EngineCoreOutputs, EngineCoreRequest, RequestType, UtilityRequest
+from compiled_llm.core.core_proc import Handshake, run_engine_core, run_utility
+from compiled_llm.core.engine_core import EngineCore
 from compiled_llm.logger import init_logger
+from compiled_llm.messages.engine_core import EngineCoreOutputs, EngineCoreRequest, RequestType, UtilityRequest
 
 logger = init_logger(__name__)
 
@@ -45,8 +45,8 @@ class EngineStartupError(RuntimeError):
 class InprocClient:
     """The engine core in this process, stepped by the caller (offline `LLM`)."""
 
-    def __init__(self, config: EngineConfig, load_format: str = "auto") -> None:
-        self.engine_core = EngineCore(config, load_format)
+    def __init__(self, config: EngineConfig) -> None:
+        self.engine_core = EngineCore(config)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.engine_core.add_request(request)
@@ -93,7 +93,9 @@ class AsyncMPClient:
 
     def __init__(self, config: EngineConfig, engine_timeout_s: float = 120.0) -> None:
         self.engine_timeout_s = engine_timeout_s
+        # The one record of the engine's death (the frontend reads it from here).
         self.dead_error: EngineDeadError | None = None
+        self._dead_listeners: list[asyncio.Future[EngineDeadError]] = []
         self._closed = False
         self._exit_expected = False
         self._folder = tempfile.mkdtemp(prefix="compiled-llm-")
@@ -123,7 +125,7 @@ class AsyncMPClient:
         self.proc = mp.Process(
             target=run_engine_core,
             name="EngineCore",
-            args=(config, config.extra.get("load_format", "auto"), input_address, output_address, child_conn),
+            args=(config, input_address, output_address, child_conn),
         )
         started = time.perf_counter()
         self.proc.start()
@@ -211,13 +213,13 @@ class AsyncMPClient:
                         f"{len(self._in_flight)} requests in flight; it was killed."
                     )
         except EngineDeadError as e:
-            self._mark_dead(e)
+            self.mark_dead(e)
         except asyncio.CancelledError:
             raise
         except Exception as e:
             if not self._closed:
                 logger.exception("Receiving engine core outputs failed.")
-                self._mark_dead(EngineDeadError(f"Lost the engine core's output socket: {e}"))
+                self.mark_dead(EngineDeadError(f"Lost the engine core's output socket: {e}"))
 
     def _deliver(self, outputs: EngineCoreOutputs) -> None:
         self._last_heard = time.monotonic()
@@ -237,11 +239,16 @@ class AsyncMPClient:
                 self._in_flight.discard(out.request_id)
         self._outputs.put_nowait(outputs)
 
-    def _mark_dead(self, error: EngineDeadError) -> None:
+    def mark_dead(self, error: EngineDeadError) -> None:
+        """The engine is gone (or the frontend cannot use it any more): fail everything open, once."""
         if self.dead_error is not None:
             return
         logger.error("%s", error)
         self.dead_error = error
+        for listener in self._dead_listeners:
+            if not listener.done():
+                listener.set_result(error)
+        self._dead_listeners.clear()
         if self._sender is not None:
             self._sender.cancel()  # it may wait for room that a dead engine never makes
         for future in self._utility_calls.values():
@@ -250,6 +257,13 @@ class AsyncMPClient:
         self._utility_calls.clear()
         self._in_flight.clear()
         self._outputs.put_nowait(error)
+
+    async def wait_until_dead(self) -> EngineDeadError:
+        if self.dead_error is not None:
+            return self.dead_error
+        listener: asyncio.Future[EngineDeadError] = asyncio.get_running_loop().create_future()
+        self._dead_listeners.append(listener)
+        return await listener
 
     async def get_output_async(self) -> EngineCoreOutputs:
         """The next batch of outputs; raises `EngineDeadError` once the engine is gone."""

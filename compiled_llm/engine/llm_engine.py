@@ -11,10 +11,10 @@ from typing import Any
 from compiled_llm.config import EngineConfig
 from compiled_llm.engine.arg_utils import EngineArgs
 from compiled_llm.engine.core_client import InprocClient
-from compiled_llm.engine.messages import EngineCoreRequest
 from compiled_llm.engine.output_processor import OutputProcessor
 from compiled_llm.engine.processor import Processor, PromptType
 from compiled_llm.engine.tokenizer import get_tokenizer
+from compiled_llm.messages.engine_core import EngineCoreRequest
 from compiled_llm.outputs import RequestOutput
 from compiled_llm.sampling_params import SamplingParams
 
@@ -23,9 +23,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.tokenizer = get_tokenizer(config.model_config.model)
-        self.processor = Processor(config.model_config, self.tokenizer)
+        self.processor = Processor(config.model_config, self.tokenizer, config.scheduler_config.policy)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine_core_client = InprocClient(config, config.extra.get("load_format", "auto"))
+        self.engine_core_client = InprocClient(config)
         self.engine_core = self.engine_core_client.engine_core  # direct access for tests and tools
         self._engine_ids: dict[str, list[str]] = {}  # user id -> engine ids (n > 1 has several)
 
@@ -34,10 +34,11 @@ class LLMEngine:
         return cls(args.create_engine_config())
 
     def process(
-        self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None
+        self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None,
+        priority: int = 0,
     ) -> tuple[EngineCoreRequest, str | None]:
         """Tokenize and validate without adding: raises ValueError for a bad request."""
-        return self.processor.process(request_id, prompt, params, arrival_time)
+        return self.processor.process(request_id, prompt, params, arrival_time, priority)
 
     def add_processed(self, request: EngineCoreRequest, prompt: str | None) -> None:
         external_id = request.request_id
@@ -48,8 +49,8 @@ class LLMEngine:
             self.engine_core_client.add_request(child)
         self._engine_ids[external_id] = [child.request_id for child in children]
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
-        self.add_processed(*self.process(request_id, prompt, params))
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0) -> None:
+        self.add_processed(*self.process(request_id, prompt, params, priority=priority))
 
     def abort_request(self, request_ids: list[str]) -> None:
         engine_ids = [eid for rid in request_ids for eid in self._engine_ids.pop(rid, [])]

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from compiled_llm.engine.messages import EngineCoreOutput, SchedulerStats
 from compiled_llm.engine.output_processor import RequestState
+from compiled_llm.messages.engine_core import EngineCoreOutput, SchedulerStats
 
 PREFIX = "compiled_llm:"
 

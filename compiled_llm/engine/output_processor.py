@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from compiled_llm.engine.detokenizer import IncrementalDetokenizer
-from compiled_llm.engine.messages import EngineCoreOutput, EngineCoreRequest, LogprobsLists
 from compiled_llm.engine.tokenizer import TokenTexts
+from compiled_llm.messages.engine_core import EngineCoreOutput, EngineCoreRequest
+from compiled_llm.messages.runner_output import LogprobsLists
 from compiled_llm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from compiled_llm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -99,7 +100,9 @@ class OutputProcessor:
             state.logprobs, state.cumulative_logprob = [], 0.0
         self.states[request.request_id] = state
 
-    def add_user_request(self, request: EngineCoreRequest, prompt: str | None, queue: Any = None) -> list[EngineCoreRequest]:
+    def add_user_request(
+        self, request: EngineCoreRequest, prompt: str | None, queue: Any = None
+    ) -> list[EngineCoreRequest]:
         """Register a user's request (for `n > 1`, its children) and return the engine requests to
         send. Ids already open are refused before anything is registered."""
         external_id = request.request_id

@@ -7,7 +7,7 @@ from functools import cached_property
 from typing import Any, Union
 
 from compiled_llm.config import ModelConfig
-from compiled_llm.engine.messages import EngineCoreRequest
+from compiled_llm.messages.engine_core import EngineCoreRequest
 from compiled_llm.sampling_params import SamplingParams
 
 # A prompt: text, token ids, or vLLM's dict forms.
@@ -15,9 +15,10 @@ PromptType = Union[str, list[int], dict[str, Any]]
 
 
 class Processor:
-    def __init__(self, model_config: ModelConfig, tokenizer: Any) -> None:
+    def __init__(self, model_config: ModelConfig, tokenizer: Any, scheduling_policy: str = "fcfs") -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
+        self.scheduling_policy = scheduling_policy
         # The embedding's rows: a larger id cannot be looked up (a tokenizer may know more tokens).
         self.vocab_size = model_config.vocab_size
 
@@ -67,6 +68,10 @@ class Processor:
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> tuple[EngineCoreRequest, str | None]:
+        if priority and self.scheduling_policy != "priority":
+            raise ValueError(
+                f"priority={priority} needs the priority scheduling policy (--scheduling-policy priority)."
+            )
         text, token_ids = self.tokenize(prompt)
         params = self.validate(token_ids, params)
         request = EngineCoreRequest(request_id, token_ids, params, arrival_time or time.time(), priority)

@@ -95,7 +95,9 @@ SUBCOMMANDS: dict[str, Subcommand] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="compiled-llm", description="An LLM-serving runtime built around the compiler.")
+    parser = argparse.ArgumentParser(
+        prog="compiled-llm", description="An LLM-serving runtime built around the compiler."
+    )
     parser.add_argument("--version", action="version", version=f"compiled-llm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, command in SUBCOMMANDS.items():

@@ -19,40 +19,14 @@ ChatMessages = list[dict[str, Any]]
 class LLM:
     """Generate text offline, in batches, with the engine in this process.
 
-    `optimization_level`: 0 eager, 1 compiled pieces, 2 pieces + CUDA graphs;
-    None picks 1 on a CPU and 2 on a GPU.
+    `model`: a Hugging Face folder (default: the bundled SmolLM2-135M-Instruct). The keyword
+    arguments are `EngineArgs` fields, with the same names and defaults as the command-line flags
+    (`optimization_level`: 0 eager, 1 compiled pieces, 2 pieces + CUDA graphs, None for 1 on a CPU
+    and 2 on a GPU; `compile_cache`, `max_model_len`, `kv_cache_memory_bytes`, `dtype`, ...).
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        dtype: str = "auto",
-        optimization_level: int | None = None,
-        compile_cache: str | None = None,
-        max_model_len: int | None = None,
-        max_num_seqs: int | None = None,
-        max_num_batched_tokens: int | None = None,
-        enable_prefix_caching: bool = True,
-        kv_cache_memory_bytes: int | None = None,
-        block_size: int = 16,
-        seed: int = 0,
-        **kwargs: Any,
-    ) -> None:
-        args = EngineArgs(
-            model=model,
-            dtype=dtype,
-            optimization_level=optimization_level,
-            compile_cache=compile_cache,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            enable_prefix_caching=enable_prefix_caching,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            block_size=block_size,
-            seed=seed,
-            **kwargs,
-        )
-        self.llm_engine = LLMEngine.from_engine_args(args)
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_args))
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Any:
@@ -63,7 +37,10 @@ class LLM:
         prompts: Union[PromptType, Sequence[PromptType]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
+        """Outputs in the order of `prompts`. `priority`: one per prompt, lower first (needs
+        `scheduling_policy="priority"`)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -77,7 +54,10 @@ class LLM:
                 raise ValueError(
                     f"Got {len(params_list)} SamplingParams for {len(prompts)} prompts; pass one, or one per prompt."
                 )
-        return self._run(prompts, params_list, use_tqdm)
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"Got {len(priorities)} priorities for {len(prompts)} prompts; pass one per prompt.")
+        return self._run(prompts, params_list, use_tqdm, priorities)
 
     def chat(
         self,
@@ -98,13 +78,15 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def _run(self, prompts: list[PromptType], params_list: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(
+        self, prompts: list[PromptType], params_list: list[SamplingParams], use_tqdm: bool, priorities: list[int]
+    ) -> list[RequestOutput]:
         engine = self.llm_engine
         # Validate everything first: a bad prompt raises before any request is queued.
         processed = []
-        for prompt, params in zip(prompts, params_list):
+        for prompt, params, priority in zip(prompts, params_list, priorities):
             params = params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
-            processed.append(engine.process(str(next(self._ids)), prompt, params))
+            processed.append(engine.process(str(next(self._ids)), prompt, params, priority=priority))
         order = {request.request_id: i for i, (request, _) in enumerate(processed)}
         for request, text in processed:
             engine.add_processed(request, text)

@@ -26,16 +26,17 @@ def add_precompile_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_precompile(args: argparse.Namespace) -> int:
-    from compiled_llm.worker.model_runner import ModelRunner, make_compile_cache
+    from compiled_llm.compilation.cache_key import engine_compile_cache
+    from compiled_llm.worker.model_runner import ModelRunner
 
     config = EngineArgs.from_cli_args(args).create_engine_config()
     if config.compilation_config.level == 0:
         raise SystemExit("precompile needs an optimization level of 1 or more (-O1, -O2): -O0 compiles nothing.")
     if args.print_cache_key:
-        print(make_compile_cache(config).key)
+        print(engine_compile_cache(config).key)
         return 0
     started = time.perf_counter()
-    runner = ModelRunner(config, config.extra.get("load_format", "auto"))
+    runner = ModelRunner(config)
     # Compiled pieces do not depend on the KV cache's size: a minimal one is enough to trace.
     runner.initialize_kv_cache(num_blocks=2)
     runner.compile()  # CUDA graphs are not saved (they hold device addresses): `serve` captures them

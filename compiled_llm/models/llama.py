@@ -32,15 +32,16 @@ class Biases:
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config: Any, rotary: RotaryEmbedding, biases: Biases, qk_norm: bool) -> None:
+    def __init__(self, config: Any, rotary: RotaryEmbedding, biases: Biases, qk_norm: bool, cpu_kernels: bool) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, biases.qkv)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=biases.o)
+        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, biases.qkv,
+                                  cpu_kernels)
+        self.o_proj = Linear(self.q_size, config.hidden_size, biases.o, cpu_kernels)
         self.rotary_emb = rotary
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
@@ -59,12 +60,12 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, config: Any, bias: bool) -> None:
+    def __init__(self, config: Any, bias: bool, cpu_kernels: bool) -> None:
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"Unsupported hidden_act {config.hidden_act!r}; only silu is implemented.")
-        self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2, bias)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias)
+        self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2, bias, cpu_kernels)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias, cpu_kernels)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -72,10 +73,10 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, rotary: RotaryEmbedding, biases: Biases, qk_norm: bool) -> None:
+    def __init__(self, config: Any, rotary: RotaryEmbedding, biases: Biases, qk_norm: bool, cpu_kernels: bool) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(config, rotary, biases, qk_norm)
-        self.mlp = DecoderMLP(config, biases.mlp)
+        self.self_attn = DecoderAttention(config, rotary, biases, qk_norm, cpu_kernels)
+        self.mlp = DecoderMLP(config, biases.mlp, cpu_kernels)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -93,7 +94,7 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: Any, biases: Biases, qk_norm: bool) -> None:
+    def __init__(self, config: Any, biases: Biases, qk_norm: bool, cpu_kernels: bool) -> None:
         super().__init__()
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
@@ -102,7 +103,7 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, rotary, biases, qk_norm) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, rotary, biases, qk_norm, cpu_kernels) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -118,16 +119,14 @@ class DecoderModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     qk_norm = False
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, cpu_kernels: bool = False) -> None:
+        """`cpu_kernels`: the linear layers call this project's C++ CPU kernel (built and loaded)."""
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, self.biases(config), self.qk_norm)
+        self.model = DecoderModel(config, self.biases(config), self.qk_norm, cpu_kernels)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.cpu_kernel = False  # set by the model runner when the C++ CPU kernels are built
-        if self.tie_word_embeddings:
-            self.lm_head = None
-        else:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.cpu_kernels = cpu_kernels
+        self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
 
     @classmethod
     def biases(cls, config: Any) -> Biases:
@@ -143,7 +142,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.lm_head_weight, None, self.cpu_kernel)
+        return linear(hidden, self.lm_head_weight, None, self.cpu_kernels)
 
     # Checkpoint name fragments that load into one shard of a fused parameter.
     stacked_params = (

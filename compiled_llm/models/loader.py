@@ -20,7 +20,6 @@ from compiled_llm.models.layers.linear import MergedLinear
 from compiled_llm.models.registry import model_class
 
 
-
 @contextmanager
 def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
     previous = torch.get_default_dtype()
@@ -110,11 +109,13 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
                 param.copy_(cpu)
 
 
-def build_model(config: ModelConfig, device: torch.device, load_format: str = "auto") -> nn.Module:
-    """The model of `config`, with weights (or random ones for `load_format="dummy"`), in eval mode."""
+def build_model(config: ModelConfig, device: torch.device, cpu_kernels: bool = False) -> nn.Module:
+    """The model of `config`, with weights (or random ones for `load_format="dummy"`), in eval mode.
+    `cpu_kernels`: its linear layers call this project's C++ CPU kernel."""
+    load_format = config.load_format
     cls = model_class(config.architecture)
     with _default_dtype(config.dtype), torch.device(device):
-        model = cls(config.hf_config)
+        model = cls(config.hf_config, cpu_kernels=cpu_kernels)
     if load_format == "dummy":
         init_dummy_weights(model, config.seed)
     elif load_format == "auto":

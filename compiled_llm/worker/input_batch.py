@@ -1,8 +1,9 @@
-"""Persistent per-request rows on the host: tokens, progress, block table and sampling settings.
+"""Persistent per-request rows on the host: tokens, progress, block table, and (in `sampling`)
+sampling settings.
 
 A request keeps its row while it runs; each step only changes what changed (new blocks, new
 tokens) instead of rebuilding lists of lists. The flat batch of a step is gathered from these
-arrays with vectorised numpy.
+arrays with vectorised numpy (`StepInputs`), and so is its sampling metadata (`SamplingState`).
 """
 
 from __future__ import annotations
@@ -10,15 +11,21 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from compiled_llm.sampling_params import SamplingParams
+from compiled_llm.messages.scheduler_output import NewRequestData
+from compiled_llm.worker.sampling_state import SamplingState
 
 
 class InputBatch:
     def __init__(
-        self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int, device: torch.device | str = "cpu"
+        self,
+        max_num_reqs: int,
+        max_model_len: int,
+        max_blocks_per_req: int,
+        device: torch.device | str = "cpu",
+        vocab_size: int = 1,
+        eos_token_ids: list[int] | None = None,
     ) -> None:
         self.max_num_reqs = max_num_reqs
-        self.device = torch.device(device)  # where seeded generators draw (beside the logits)
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
@@ -28,53 +35,25 @@ class InputBatch:
         self.req_ids: list[str | None] = [None] * max_num_reqs
         self.row_of: dict[str, int] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
-        # Sampling settings per row.
-        self.params: list[SamplingParams | None] = [None] * max_num_reqs
-        self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
-        self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
-        self.top_p = np.ones(max_num_reqs, dtype=np.float32)
-        self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
-        self.presence_penalty = np.zeros(max_num_reqs, dtype=np.float32)
-        self.frequency_penalty = np.zeros(max_num_reqs, dtype=np.float32)
-        self.repetition_penalty = np.ones(max_num_reqs, dtype=np.float32)
-        self.generators: dict[int, torch.Generator] = {}
-        # Generators of preempted requests, by request id, until they come back or finish.
-        self._parked_generators: dict[str, torch.Generator] = {}
+        # A row whose last token was sampled by a step whose output the host has not read yet
+        # (asynchronous scheduling): that step's number, and the token's index in its samples.
+        self.pending_step = np.full(max_num_reqs, -1, dtype=np.int64)
+        self.pending_index = np.zeros(max_num_reqs, dtype=np.int64)
+        self.sampling = SamplingState(max_num_reqs, vocab_size, torch.device(device), eos_token_ids or [])
 
-    def add(
-        self,
-        req_id: str,
-        token_ids: list[int],
-        num_prompt_tokens: int,
-        params: SamplingParams,
-        block_ids: list[int],
-        num_computed_tokens: int,
-    ) -> int:
+    def add(self, new: NewRequestData) -> int:
         row = self._free_rows.pop()
-        self.req_ids[row] = req_id
-        self.row_of[req_id] = row
-        n = len(token_ids)
-        self.token_ids[row, :n] = token_ids
+        self.req_ids[row] = new.req_id
+        self.row_of[new.req_id] = row
+        n = len(new.token_ids)
+        self.token_ids[row, :n] = new.token_ids
         self.num_tokens[row] = n
-        self.num_prompt_tokens[row] = num_prompt_tokens
-        self.num_computed_tokens[row] = num_computed_tokens
+        self.num_prompt_tokens[row] = new.num_prompt_tokens
+        self.num_computed_tokens[row] = new.num_computed_tokens
         self.num_blocks[row] = 0
-        self.append_blocks(row, block_ids)
-        self.params[row] = params
-        self.temperature[row] = params.temperature
-        self.top_k[row] = params.top_k
-        self.top_p[row] = params.top_p
-        self.min_p[row] = params.min_p
-        self.presence_penalty[row] = params.presence_penalty
-        self.frequency_penalty[row] = params.frequency_penalty
-        self.repetition_penalty[row] = params.repetition_penalty
-        generator = self._parked_generators.pop(req_id, None)
-        if generator is None and params.seed is not None:
-            generator = torch.Generator(device=self.device)
-            # Two's complement: every int64 seed is its own uint64 stream (-1 is not 2**63 - 1).
-            generator.manual_seed(params.seed & 0xFFFF_FFFF_FFFF_FFFF)
-        if generator is not None:
-            self.generators[row] = generator
+        self.pending_step[row] = -1
+        self.append_blocks(row, new.block_ids)
+        self.sampling.add(row, new.req_id, new.sampling_params, new.token_ids, new.num_prompt_tokens)
         return row
 
     def append_blocks(self, row: int, block_ids: list[int]) -> None:
@@ -85,22 +64,38 @@ class InputBatch:
     def remove(self, req_id: str, keep_sampling_state: bool = False) -> None:
         """Free the request's row. A preempted request (`keep_sampling_state`) keeps its seeded
         generator for when it comes back; otherwise any kept one is forgotten too."""
-        if not keep_sampling_state:
-            self._parked_generators.pop(req_id, None)
         row = self.row_of.pop(req_id, None)
         if row is None:
+            if not keep_sampling_state:
+                self.sampling.remove(-1, req_id, keep_generator=False)
             return
-        if keep_sampling_state and row in self.generators:
-            self._parked_generators[req_id] = self.generators[row]
+        self.sampling.remove(row, req_id, keep_sampling_state)
         self.req_ids[row] = None
-        self.params[row] = None
+        self.pending_step[row] = -1
         self.block_table[row, : self.num_blocks[row]] = 0
         self.num_blocks[row] = 0
-        self.generators.pop(row, None)
         self._free_rows.append(row)
 
-    def append_token(self, row: int, token_id: int) -> None:
-        n = self.num_tokens[row]
-        if n < self.token_ids.shape[1]:
-            self.token_ids[row, n] = token_id
-        self.num_tokens[row] = n + 1
+    def append_tokens(self, rows: np.ndarray, tokens: np.ndarray) -> None:
+        """One new token for each of `rows` (sampled this step)."""
+        positions = self.add_sampled(rows, step=-1)
+        self.fill_tokens(rows, positions, tokens)
+
+    def add_sampled(self, rows: np.ndarray, step: int) -> np.ndarray:
+        """Count one token just sampled by `step` for each of `rows`, its id still on the device;
+        returns where each goes. Until `fill_tokens` writes it, the next step reads it from there."""
+        positions = self.num_tokens[rows].copy()
+        self.num_tokens[rows] = positions + 1
+        self.pending_step[rows] = step
+        self.pending_index[rows] = np.arange(len(rows))
+        return positions
+
+    def fill_tokens(self, rows: np.ndarray, positions: np.ndarray, tokens: np.ndarray, step: int = -1) -> None:
+        """The ids of tokens counted by `add_sampled`, now on the host."""
+        fits = positions < self.token_ids.shape[1]
+        self.token_ids[rows[fits], positions[fits]] = tokens[fits]
+        known = rows[self.pending_step[rows] == step]
+        self.pending_step[known] = -1
+
+    def num_output_tokens(self, rows: np.ndarray) -> np.ndarray:
+        return self.num_tokens[rows] - self.num_prompt_tokens[rows]

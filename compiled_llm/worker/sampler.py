@@ -7,10 +7,27 @@ nothing (its tensor is None). Logprobs are those of the raw model output, as vLL
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Union
 
+import numpy as np
 import torch
 
 _EPS = 1e-5
+
+# A request's own random stream: torch's on a GPU (Philox, seeded with all 64 bits); numpy's
+# PCG64 on a CPU, where torch's generator (mt19937) keeps only the seed's low 32 bits.
+SeededRNG = Union[torch.Generator, np.random.Generator]
+
+
+def seeded_rng(seed: int, device: torch.device) -> SeededRNG:
+    """A stream for an int64 `seed`: distinct seeds give distinct streams (two's complement maps
+    every int64 to its own uint64, so -1 is not 2**63 - 1)."""
+    seed64 = seed & 0xFFFF_FFFF_FFFF_FFFF
+    if device.type == "cpu":
+        return np.random.Generator(np.random.PCG64(seed64))
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed64)
+    return generator
 
 
 @dataclass
@@ -20,15 +37,19 @@ class SamplingMetadata:
     top_k: torch.Tensor | None = None  # [R] int64, 0 = off
     top_p: torch.Tensor | None = None  # [R] float
     min_p: torch.Tensor | None = None  # [R] float
-    generators: dict[int, torch.Generator] = field(default_factory=dict)  # batch index -> seeded RNG
+    generators: dict[int, SeededRNG] = field(default_factory=dict)  # batch index -> seeded RNG
     max_num_logprobs: int | None = None
-    # Penalties: None when unused by the whole batch.
-    presence_penalty: torch.Tensor | None = None
-    frequency_penalty: torch.Tensor | None = None
-    repetition_penalty: torch.Tensor | None = None
-    output_token_counts: torch.Tensor | None = None  # [R, V] counts of generated tokens
-    seen_token_mask: torch.Tensor | None = None  # [R, V] prompt or generated (repetition penalty)
-    banned_token_ids: list[tuple[int, list[int]]] = field(default_factory=list)  # (row, ids) e.g. EOS before min_tokens
+    # Penalties: None when unused by the whole batch. They describe the rows `penalty_rows` of
+    # the batch ([P] indices; None: every row), in that order.
+    penalty_rows: torch.Tensor | None = None
+    presence_penalty: torch.Tensor | None = None  # [P]
+    frequency_penalty: torch.Tensor | None = None  # [P]
+    repetition_penalty: torch.Tensor | None = None  # [P]
+    output_token_counts: torch.Tensor | None = None  # [P, V] counts of generated tokens
+    seen_token_mask: torch.Tensor | None = None  # [P, V] prompt or generated (repetition penalty)
+    # Tokens a row may not sample yet (EOS and stop tokens before min_tokens): pairs (row, id).
+    banned_rows: torch.Tensor | None = None
+    banned_token_ids: torch.Tensor | None = None
 
 
 @dataclass
@@ -44,8 +65,8 @@ class Sampler:
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if meta.max_num_logprobs is not None else None
         logits = self.apply_penalties(logits, meta)
-        for row, ids in meta.banned_token_ids:
-            logits[row, ids] = float("-inf")
+        if meta.banned_rows is not None:
+            logits[meta.banned_rows, meta.banned_token_ids] = float("-inf")
         sampled = self.sample(logits, meta)
         if raw_logprobs is None:
             return SamplerOutput(sampled)
@@ -53,17 +74,23 @@ class Sampler:
 
     @staticmethod
     def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """vLLM's penalties on the rows that have them (only those rows are read and written)."""
+        if meta.output_token_counts is None and meta.seen_token_mask is None:
+            return logits
+        rows = meta.penalty_rows
+        part = logits if rows is None else logits.index_select(0, rows)
         if meta.repetition_penalty is not None and meta.seen_token_mask is not None:
             penalty = meta.repetition_penalty.unsqueeze(1)
-            scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
-            logits = torch.where(meta.seen_token_mask, scaled, logits)
+            scaled = torch.where(part > 0, part / penalty, part * penalty)
+            part = torch.where(meta.seen_token_mask, scaled, part)
         counts = meta.output_token_counts
-        if counts is not None:
-            if meta.frequency_penalty is not None:
-                logits = logits - meta.frequency_penalty.unsqueeze(1) * counts
-            if meta.presence_penalty is not None:
-                logits = logits - meta.presence_penalty.unsqueeze(1) * (counts > 0).to(logits.dtype)
-        return logits
+        if counts is not None and meta.frequency_penalty is not None:
+            part = part - meta.frequency_penalty.unsqueeze(1) * counts
+        if counts is not None and meta.presence_penalty is not None:
+            part = part - meta.presence_penalty.unsqueeze(1) * (counts > 0).to(part.dtype)
+        if rows is None:
+            return part
+        return logits.index_copy(0, rows, part)
 
     def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         greedy = logits.argmax(dim=-1)
@@ -102,13 +129,17 @@ class Sampler:
         return sorted_logits.scatter(-1, order, sorted_logits)
 
     @staticmethod
-    def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    def random_sample(probs: torch.Tensor, generators: dict[int, SeededRNG]) -> torch.Tensor:
         """Gumbel-style sampling, `argmax(p / q)` with `q ~ Exp(1)`: no CPU sync, seeded per row."""
         q = torch.empty_like(probs)
         if len(generators) != probs.shape[0]:
             q.exponential_()
         for row, generator in generators.items():
-            q[row].exponential_(generator=generator)
+            if isinstance(generator, np.random.Generator):
+                noise = generator.standard_exponential(probs.shape[1], dtype=np.float32)
+                q[row].copy_(torch.from_numpy(np.maximum(noise, np.float32(1e-30))))
+            else:
+                q[row].exponential_(generator=generator)
         return probs.div(q).argmax(dim=-1)
 
     @staticmethod

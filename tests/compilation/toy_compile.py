@@ -21,11 +21,11 @@ CHECK_SIZES = (1, 2, 4, 5, 16, 17, 32)
 
 def toy_config(cache_dir: str, ranges=None, sizes=(), strict: bool = False,
                signing_key_file: str | None = None) -> CompilationConfig:
-    config = CompilationConfig(level=1, cache_dir=cache_dir, compile_ranges=ranges, compile_sizes=list(sizes),
-                               splitting_ops=list(SPLITTING_OPS), require_cache_hit=strict,
-                               cache_signing_key_file=signing_key_file)
-    config.resolve("cpu", max_num_seqs=8, max_num_batched_tokens=MAX_TOKENS)
-    return config
+    return CompilationConfig.resolve(
+        "cpu", max_num_seqs=8, max_num_batched_tokens=MAX_TOKENS, level=1, cache_dir=cache_dir, compile_ranges=ranges,
+        compile_sizes=sizes, splitting_ops=SPLITTING_OPS, require_cache_hit=strict,
+        cache_signing_key_file=signing_key_file,
+    )
 
 
 def toy_factors(config: CompilationConfig, model: torch.nn.Module, dtype=torch.float32, max_tokens=MAX_TOKENS,

@@ -41,7 +41,8 @@ def test_stop_string_across_token_boundaries(tokenizer):
 
 
 def test_include_stop_string(tokenizer):
-    d, stop, _, _ = feed(tokenizer, " one two three four", SamplingParams(stop=["three"], include_stop_str_in_output=True))
+    params = SamplingParams(stop=["three"], include_stop_str_in_output=True)
+    d, stop, _, _ = feed(tokenizer, " one two three four", params)
     assert d.output_text == " one two three"
 
 
@@ -77,7 +78,8 @@ def test_stop_strings_wait_for_min_tokens(tokenizer):
 @pytest.mark.parametrize("include", [False, True])
 def test_text_of_the_engines_stop_token_is_left_out(tokenizer, include):
     ids = tokenizer(" one two three", add_special_tokens=False)["input_ids"]
-    d = IncrementalDetokenizer(tokenizer, [1], SamplingParams(stop_token_ids=[ids[-1]], include_stop_str_in_output=include))
+    params = SamplingParams(stop_token_ids=[ids[-1]], include_stop_str_in_output=include)
+    d = IncrementalDetokenizer(tokenizer, [1], params)
     d.update(ids[:-1])
     stop, used = d.update(ids[-1:], stop_terminated=True)
     assert stop is None and used == 1

@@ -13,7 +13,7 @@ import time
 import httpx
 import psutil
 
-from compiled_llm.engine.core_proc import ENGINE_PROC_TITLE
+from compiled_llm.core.core_proc import ENGINE_PROC_TITLE
 from compiled_llm.utils import get_open_port
 
 START_TIMEOUT_S = 180

@@ -43,7 +43,8 @@ def test_subcommands_and_defaults():
     assert args.host == "127.0.0.1" and args.port == 8000 and args.model is None and args.api_key is None
     args = build_parser().parse_args(["serve", "/m", "-O0", "--port", "9", "--api-key", "k", "--served-model-name",
                                       "n", "--max-model-len", "512", "--no-enable-prefix-caching"])
-    assert (args.model, args.optimization_level, args.port, args.api_key, args.served_model_name) == ("/m", 0, 9, "k", "n")
+    got = (args.model, args.optimization_level, args.port, args.api_key, args.served_model_name)
+    assert got == ("/m", 0, 9, "k", "n")
     assert args.max_model_len == 512 and args.enable_prefix_caching is False
     args = build_parser().parse_args(["generate", "Hi there", "/m", "--max-tokens", "3", "--chat"])
     assert (args.prompt, args.model, args.max_tokens, args.chat) == ("Hi there", "/m", 3, True)

@@ -28,12 +28,14 @@ def test_prompt_forms_and_output_fields(llm):
     c = out.outputs[0]
     assert c.index == 0 and len(c.token_ids) == 24 and c.finish_reason == "length" and c.stop_reason is None
     assert c.text == tok.decode(c.token_ids)
-    assert many[2].outputs[0].token_ids == c.token_ids == single[0].outputs[0].token_ids  # order kept, batching-invariant
+    # Order kept, and batching-invariant:
+    assert many[2].outputs[0].token_ids == c.token_ids == single[0].outputs[0].token_ids
     assert many[2].prompt is None
 
 
 def test_one_sampling_params_per_prompt(llm):
-    outs = llm.generate(["a", "b"], [SamplingParams(max_tokens=2, ignore_eos=True), SamplingParams(max_tokens=5, ignore_eos=True)], use_tqdm=False)
+    each = [SamplingParams(max_tokens=2, ignore_eos=True), SamplingParams(max_tokens=5, ignore_eos=True)]
+    outs = llm.generate(["a", "b"], each, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [2, 5]
     with pytest.raises(ValueError, match="2 prompts"):
         llm.generate(["a", "b"], [SamplingParams()] * 3, use_tqdm=False)
@@ -44,13 +46,17 @@ def test_stop_strings_and_stop_tokens(llm):
     text = base.text
     cut = text[len(text) // 3 : len(text) // 3 + 5]
     assert cut and text.find(cut) > 0
-    stopped = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=24, stop=[cut]), use_tqdm=False)[0].outputs[0]
+    prompt = "The capital of France is"
+    cut_params = SamplingParams(temperature=0, max_tokens=24, stop=[cut])
+    stopped = llm.generate(prompt, cut_params, use_tqdm=False)[0].outputs[0]
     assert stopped.text == text[: text.find(cut)]
     assert stopped.finish_reason == "stop" and stopped.stop_reason == cut
-    kept = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=24, stop=[cut], include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    keep = SamplingParams(temperature=0, max_tokens=24, stop=[cut], include_stop_str_in_output=True)
+    kept = llm.generate(prompt, keep, use_tqdm=False)[0].outputs[0]
     assert kept.text == text[: text.find(cut) + len(cut)]
     tok_stop = base.token_ids[5]
-    by_id = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[tok_stop]), use_tqdm=False)[0].outputs[0]
+    by_id_params = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[tok_stop])
+    by_id = llm.generate(prompt, by_id_params, use_tqdm=False)[0].outputs[0]
     assert by_id.token_ids == base.token_ids[: base.token_ids.index(tok_stop) + 1]
     assert by_id.finish_reason == "stop" and by_id.stop_reason == tok_stop
     assert by_id.text == llm.get_tokenizer().decode(by_id.token_ids[:-1])  # the stop token's text is left out
@@ -62,7 +68,8 @@ def test_eos_and_min_tokens(llm):
     free = llm.chat(chat, SamplingParams(temperature=0, max_tokens=200), use_tqdm=False)[0].outputs[0]
     assert free.finish_reason == "stop" and free.token_ids[-1] in eos
     n = len(free.token_ids)
-    forced = llm.chat(chat, SamplingParams(temperature=0, max_tokens=200, min_tokens=n + 5), use_tqdm=False)[0].outputs[0]
+    forced_params = SamplingParams(temperature=0, max_tokens=200, min_tokens=n + 5)
+    forced = llm.chat(chat, forced_params, use_tqdm=False)[0].outputs[0]
     assert len(forced.token_ids) >= n + 5
     assert not any(t in eos for t in forced.token_ids[: n + 4])
 
@@ -80,7 +87,8 @@ def test_n_and_seeds(llm):
 
 
 def test_logprobs_format(llm):
-    out = llm.generate("The sky is", SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
+    out = llm.generate("The sky is", params, use_tqdm=False)[0].outputs[0]
     assert len(out.logprobs) == len(out.token_ids) == 6
     for token, pos in zip(out.token_ids, out.logprobs):
         assert next(iter(pos)) == token  # the sampled token comes first
@@ -122,8 +130,10 @@ def test_invalid_sampling_params_name_the_field(kwargs, field):
 
 def test_penalties_change_greedy_output(llm):
     base = llm.generate("I like apples. I like apples. I like", GREEDY, use_tqdm=False)[0].outputs[0]
-    penal = llm.generate("I like apples. I like apples. I like", GREEDY.clone(repetition_penalty=1.8), use_tqdm=False)[0].outputs[0]
-    freq = llm.generate("I like apples. I like apples. I like", GREEDY.clone(frequency_penalty=2.0, presence_penalty=1.0), use_tqdm=False)[0].outputs[0]
+    prompt = "I like apples. I like apples. I like"
+    penal = llm.generate(prompt, GREEDY.clone(repetition_penalty=1.8), use_tqdm=False)[0].outputs[0]
+    freq_params = GREEDY.clone(frequency_penalty=2.0, presence_penalty=1.0)
+    freq = llm.generate(prompt, freq_params, use_tqdm=False)[0].outputs[0]
     assert penal.token_ids != base.token_ids and freq.token_ids != base.token_ids
 
 
@@ -133,7 +143,8 @@ def test_preemption_under_a_tiny_kv_budget_matches_a_roomy_run(tiny_llama):
     roomy = LLM(tiny_llama, optimization_level=0, max_model_len=256, kv_cache_memory_bytes=64 << 20)
     expected = [o.outputs[0].token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
     block_bytes = roomy.llm_engine.engine_core.runner.kv_bytes_per_block()
-    tight = LLM(tiny_llama, optimization_level=0, max_model_len=256, kv_cache_memory_bytes=block_bytes * 64)  # ~1000 tokens
+    # ~1000 tokens of KV cache:
+    tight = LLM(tiny_llama, optimization_level=0, max_model_len=256, kv_cache_memory_bytes=block_bytes * 64)
     got = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
     assert tight.llm_engine.engine_core.scheduler.num_preemptions > 0
     assert got == expected
@@ -164,3 +175,29 @@ def test_a_new_request_joins_the_running_batch_at_the_next_step(tiny_llama):
     assert {r.request_id for r in scheduler.running} == {"a", "b"}
     assert scheduler.requests["b"].num_output_tokens == 1  # prefilled and sampled in that very step
     assert scheduler.requests["a"].num_output_tokens == a_done + 1  # a kept decoding in the same batch
+
+
+def test_priority_scheduling_in_the_offline_api(tiny_llama):
+    prompts = [f"prompt number {i}" for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    fcfs = LLM(tiny_llama, optimization_level=0, max_model_len=256, kv_cache_memory_bytes=16 << 20)
+    with pytest.raises(ValueError, match="--scheduling-policy priority"):
+        fcfs.generate(prompts, params, use_tqdm=False, priority=[1, 0, 0, 0])
+    expected = [o.outputs[0].token_ids for o in fcfs.generate(prompts, params, use_tqdm=False)]
+    # One request at a time: the priorities decide the order they run in, not what they generate.
+    prio = LLM(tiny_llama, optimization_level=0, max_model_len=256, kv_cache_memory_bytes=16 << 20,
+               max_num_seqs=1, scheduling_policy="priority")
+    finished = []
+    engine = prio.llm_engine
+    for i, (prompt, priority) in enumerate(zip(prompts, [3, 1, 2, 0])):
+        engine.add_request(str(i), prompt, params, priority=priority)
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished.append(out.request_id)
+                outputs[out.request_id] = out.outputs[0].token_ids
+    assert finished == ["3", "1", "2", "0"]
+    assert [outputs[str(i)] for i in range(4)] == expected
+    assert [o.outputs[0].token_ids for o in prio.generate(prompts, params, use_tqdm=False, priority=[3, 1, 2, 0])] \
+        == expected

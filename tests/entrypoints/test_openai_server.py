@@ -17,9 +17,9 @@ import time
 import httpx
 import psutil
 import pytest
+from remote_server import RemoteServer
 
 openai = pytest.importorskip("openai")  # absent on the GPU image, where only cuda tests run
-from remote_server import RemoteServer
 
 ENGINE_FLAGS = ["-O0", "--max-model-len", "1024", "--kv-cache-memory-bytes", str(256 << 20), "--max-num-seqs", "32"]
 # The real model is served compiled, from the compile cache `compiled-llm precompile` filled:
@@ -132,7 +132,8 @@ def test_completion_logprobs(real_server):
         assert max(top.values()) == pytest.approx(logprob, abs=1e-4)  # greedy: the sampled token is the best
     # logprobs=0 still names the sampled token, and a sampled token below the top k is kept.
     hot = c.completions.create(model="smol", prompt="1, 2, 3, 4,", max_tokens=8, temperature=5.0, seed=1, logprobs=0)
-    for token, logprob, top in zip(*(getattr(hot.choices[0].logprobs, f) for f in ("tokens", "token_logprobs", "top_logprobs"))):
+    hot_lp = hot.choices[0].logprobs
+    for token, logprob, top in zip(hot_lp.tokens, hot_lp.token_logprobs, hot_lp.top_logprobs):
         assert top == {token: pytest.approx(logprob, abs=1e-6)}
 
 
@@ -201,7 +202,8 @@ def test_vllm_extras(real_server):
     choice = stopped.choices[0]
     assert choice.finish_reason == "stop" and choice.model_extra["stop_reason"] == ids[2]
     assert stopped.usage.completion_tokens == 3
-    assert choice.text == httpx.post(real_server.url + "/detokenize", json={"tokens": ids[:2]}, timeout=TIMEOUT).json()["prompt"]
+    detokenized = httpx.post(real_server.url + "/detokenize", json={"tokens": ids[:2]}, timeout=TIMEOUT)
+    assert choice.text == detokenized.json()["prompt"]
 
 
 def test_models_version_tokenizer_metrics(real_server):

@@ -15,7 +15,6 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from remote_server import RemoteServer
 
 ENGINE_FLAGS = ["-O0", "--max-model-len", "1024", "--kv-cache-memory-bytes", str(256 << 20), "--max-num-seqs", "32"]

@@ -36,7 +36,10 @@ def test_real_model_matches_hf(real_model_path):
     assert exact >= len(PROMPTS) // 2, f"only {exact} of {len(PROMPTS)} prompts matched exactly"
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama-biased", "qwen2", "qwen2-tied", "qwen3", "qwen3-biased", "llama3-scaled"])
+ARCHS = ["llama", "llama-biased", "qwen2", "qwen2-tied", "qwen3", "qwen3-biased", "llama3-scaled"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_tiny_models_match_hf(tiny_model_factory, arch):
     path = tiny_model_factory(arch)
     ids, outputs = _run_ours(path, PROMPTS[:4], 24)

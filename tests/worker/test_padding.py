@@ -37,13 +37,13 @@ def test_padded_steps_give_the_same_tokens_and_write_no_kv(tiny_llama, unpadded)
     # padded requests, other steps to PIECEWISE sizes); on a CPU it then runs eagerly.
     runner.dispatcher = CudagraphDispatcher([4, 8, 16, 32, 64], CUDAGraphMode.FULL_AND_PIECEWISE, max_num_seqs=8)
     seen = []
-    prepare = runner.prepare_inputs
+    prepare = runner.inputs.prepare
 
-    def spy(rows, num_sched, num_decodes, padded_tokens, padded_reqs):
+    def spy(batch, rows, num_sched, num_decodes, padded_tokens, padded_reqs):
         seen.append((int(num_sched.sum()), len(rows), padded_tokens, padded_reqs))
-        return prepare(rows, num_sched, num_decodes, padded_tokens, padded_reqs)
+        return prepare(batch, rows, num_sched, num_decodes, padded_tokens, padded_reqs)
 
-    runner.prepare_inputs = spy
+    runner.inputs.prepare = spy
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
     assert got == expected
     assert any(padded_tokens > tokens for tokens, _, padded_tokens, _ in seen)
@@ -63,10 +63,11 @@ def test_padded_tails_of_the_buffers(tiny_llama):
     runner = engine.engine_core.runner
     rows = np.array([runner.batch.row_of["a"], runner.batch.row_of["b"]])
     runner.batch.num_computed_tokens[rows] = runner.batch.num_tokens[rows] - 1
-    metadata, _ = runner.prepare_inputs(rows, np.array([1, 1]), num_decodes=2, padded_tokens=4, padded_reqs=4)
+    metadata, _ = runner.inputs.prepare(runner.batch, rows, np.array([1, 1]), num_decodes=2, padded_tokens=4,
+                                        padded_reqs=4)
     assert metadata.num_actual_tokens == 2 and metadata.num_reqs == 4
     assert metadata.slot_mapping.tolist()[2:] == [-1, -1]
     assert metadata.query_start_loc.tolist() == [0, 1, 2, 2, 2]  # padded requests own no tokens
     assert metadata.seq_lens.tolist()[2:] == [0, 0]
     assert metadata.block_tables[2:].abs().sum().item() == 0  # the null block
-    assert runner.input_ids.cpu[2:4].tolist() == [0, 0]
+    assert runner.inputs.input_ids.cpu[2:4].tolist() == [0, 0]

@@ -83,7 +83,7 @@ def test_penalties():
 
 def test_banned_tokens_are_never_sampled():
     logits = torch.tensor([[10.0] + [0.0] * (V - 1)])
-    out = Sampler()(logits, meta(1, banned_token_ids=[(0, [0])]))
+    out = Sampler()(logits, meta(1, banned_rows=torch.tensor([0]), banned_token_ids=torch.tensor([0])))
     assert out.sampled.item() != 0
 
 

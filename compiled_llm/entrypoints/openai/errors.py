@@ -8,9 +8,9 @@ from __future__ import annotations
 import json
 
 from fastapi import FastAPI, Request
+from fastapi import HTTPException as FastAPIHTTPException
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from fastapi import HTTPException as FastAPIHTTPException
 from starlette.exceptions import HTTPException
 
 from compiled_llm.engine.core_client import EngineDeadError

@@ -104,6 +104,7 @@ class SamplingRequest(OpenAIBaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     stop_token_ids: list[TokenId] | None = None
+    priority: Int64 = 0  # lower first, under --scheduling-policy priority
 
     def unsupported(self) -> str | None:
         """A field we refuse, with why; None when the request is fine."""

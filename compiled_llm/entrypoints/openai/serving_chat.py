@@ -6,7 +6,7 @@ import time
 from typing import Any, AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
 from compiled_llm.engine.async_llm import RequestStream
 from compiled_llm.engine.chat_templates import ChatTemplateError
@@ -26,12 +26,11 @@ from compiled_llm.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from compiled_llm.entrypoints.openai.serving_engine import (
-    DONE,
     OpenAIServing,
+    event_stream,
     final_output,
+    json_response,
     sse,
-    sse_error,
-    unless_disconnected,
     usage_counts,
 )
 from compiled_llm.logger import init_logger
@@ -105,21 +104,16 @@ class OpenAIServingChat(OpenAIServing):
         num_top = request.top_logprobs or 0
         params = self.sampling_params(request, max_tokens, num_top if request.logprobs else None)
         request_id = f"chatcmpl-{random_uuid()}"
-        stream = await self.add_request(request_id, {"prompt": text, "prompt_token_ids": ids}, params)
+        stream = await self.add_request(request_id, {"prompt": text, "prompt_token_ids": ids}, params, request.priority)
         if request.stream:
-            return StreamingResponse(self._stream(request, request_id, stream, len(ids)), media_type="text/event-stream")
-        response = await unless_disconnected(raw_request, self._respond(request, request_id, stream, len(ids)))
-        if response is None:
-            return Response(status_code=499)
-        return JSONResponse(response.model_dump())
+            return event_stream(self._events(request, request_id, stream, len(ids)), [request_id], self.engine)
+        return await json_response(raw_request, self._respond(request, request_id, stream, len(ids)), [request_id],
+                                   self.engine)
 
     async def _respond(
         self, request: ChatCompletionRequest, request_id: str, stream: RequestStream, prompt_len: int
     ) -> ChatCompletionResponse:
-        try:
-            out = await final_output(stream)
-        finally:
-            await self.engine.abort(request_id)
+        out = await final_output(stream)
         choices = [
             ChatCompletionResponseChoice(
                 index=c.index,
@@ -136,7 +130,7 @@ class OpenAIServingChat(OpenAIServing):
             usage=UsageInfo(**usage_counts([prompt_len], completion_tokens)),
         )
 
-    async def _stream(
+    async def _events(
         self, request: ChatCompletionRequest, request_id: str, stream: RequestStream, prompt_len: int
     ) -> AsyncIterator[str]:
         created = int(time.time())
@@ -146,25 +140,17 @@ class OpenAIServingChat(OpenAIServing):
                                            choices=choices, usage=usage))
 
         completion_tokens = 0
-        try:
-            try:
-                for index in range(request.n or 1):
-                    yield chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
-                async for out in stream:
-                    for c in out.outputs:
-                        if not c.text and not c.token_ids and c.finish_reason is None:
-                            continue
-                        completion_tokens += len(c.token_ids)
-                        logprobs = chat_logprobs(c, request.top_logprobs or 0) if request.logprobs else None
-                        yield chunk([ChatCompletionStreamChoice(
-                            index=c.index, delta=DeltaMessage(content=c.text), logprobs=logprobs,
-                            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                        )])
-                if request.stream_options and request.stream_options.include_usage:
-                    yield chunk([], UsageInfo(**usage_counts([prompt_len], completion_tokens)))
-            except Exception as e:
-                logger.error("Chat stream %s failed: %s", request_id, e)
-                yield sse_error(e)
-            yield DONE
-        finally:
-            await self.engine.abort(request_id)
+        for index in range(request.n or 1):
+            yield chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
+        async for out in stream:
+            for c in out.outputs:
+                if not c.text and not c.token_ids and c.finish_reason is None:
+                    continue
+                completion_tokens += len(c.token_ids)
+                logprobs = chat_logprobs(c, request.top_logprobs or 0) if request.logprobs else None
+                yield chunk([ChatCompletionStreamChoice(
+                    index=c.index, delta=DeltaMessage(content=c.text), logprobs=logprobs,
+                    finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                )])
+        if request.stream_options and request.stream_options.include_usage:
+            yield chunk([], UsageInfo(**usage_counts([prompt_len], completion_tokens)))

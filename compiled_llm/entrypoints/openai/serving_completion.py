@@ -7,7 +7,7 @@ import time
 from typing import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
 from compiled_llm.engine.async_llm import RequestStream
 from compiled_llm.engine.processor import PromptType
@@ -20,13 +20,12 @@ from compiled_llm.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from compiled_llm.entrypoints.openai.serving_engine import (
-    DONE,
     OpenAIServing,
+    event_stream,
     final_output,
+    json_response,
     merge_streams,
     sse,
-    sse_error,
-    unless_disconnected,
     usage_counts,
 )
 from compiled_llm.logger import init_logger
@@ -62,15 +61,12 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts, prompt_lens = await self._prompts(request)
         params = self.sampling_params(request, request.max_tokens, request.logprobs)
         request_id = f"cmpl-{random_uuid()}"
-        streams = await self.add_requests(request_id, prompts, params)
+        streams = await self.add_requests(request_id, prompts, params, request.priority)
+        ids = [s.request_id for s in streams]
         if request.stream:
-            return StreamingResponse(
-                self._stream(request, request_id, streams, prompt_lens), media_type="text/event-stream"
-            )
-        response = await unless_disconnected(raw_request, self._respond(request, request_id, streams, prompt_lens))
-        if response is None:
-            return Response(status_code=499)
-        return JSONResponse(response.model_dump())
+            return event_stream(self._events(request, request_id, streams, prompt_lens), ids, self.engine)
+        return await json_response(raw_request, self._respond(request, request_id, streams, prompt_lens), ids,
+                                   self.engine)
 
     async def _prompts(self, request: CompletionRequest) -> tuple[list[PromptType], list[int]]:
         raw = request.prompt
@@ -98,10 +94,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _respond(
         self, request: CompletionRequest, request_id: str, streams: list[RequestStream], prompt_lens: list[int]
     ) -> CompletionResponse:
-        try:
-            finals = await asyncio.gather(*(final_output(s) for s in streams))
-        finally:
-            await self.engine.abort([s.request_id for s in streams])
+        finals = await asyncio.gather(*(final_output(s) for s in streams))
         n = request.n or 1
         choices = []
         completion_tokens = 0
@@ -119,40 +112,32 @@ class OpenAIServingCompletion(OpenAIServing):
             usage=UsageInfo(**usage_counts(prompt_lens, completion_tokens)),
         )
 
-    async def _stream(
+    async def _events(
         self, request: CompletionRequest, request_id: str, streams: list[RequestStream], prompt_lens: list[int]
     ) -> AsyncIterator[str]:
         n = request.n or 1
         created = int(time.time())
         offsets: dict[int, int] = {}
         completion_tokens = 0
-        try:
-            try:
-                async for i, out in merge_streams(streams):
-                    for c in out.outputs:
-                        if not c.text and not c.token_ids and c.finish_reason is None:
-                            continue
-                        index = i * n + c.index
-                        completion_tokens += len(c.token_ids)
-                        logprobs = None
-                        if request.logprobs is not None:
-                            logprobs = completion_logprobs(c, request.logprobs, offsets.get(index, 0))
-                        offsets[index] = offsets.get(index, 0) + len(c.text)
-                        yield sse(CompletionResponse(
-                            id=request_id, created=created, model=self.served_model_name,
-                            choices=[CompletionResponseChoice(
-                                index=index, text=c.text, logprobs=logprobs,
-                                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                            )],
-                        ))
-                if request.stream_options and request.stream_options.include_usage:
-                    yield sse(CompletionResponse(
-                        id=request_id, created=created, model=self.served_model_name, choices=[],
-                        usage=UsageInfo(**usage_counts(prompt_lens, completion_tokens)),
-                    ))
-            except Exception as e:
-                logger.error("Completion stream %s failed: %s", request_id, e)
-                yield sse_error(e)
-            yield DONE
-        finally:
-            await self.engine.abort([s.request_id for s in streams])
+        async for i, out in merge_streams(streams):
+            for c in out.outputs:
+                if not c.text and not c.token_ids and c.finish_reason is None:
+                    continue
+                index = i * n + c.index
+                completion_tokens += len(c.token_ids)
+                logprobs = None
+                if request.logprobs is not None:
+                    logprobs = completion_logprobs(c, request.logprobs, offsets.get(index, 0))
+                offsets[index] = offsets.get(index, 0) + len(c.text)
+                yield sse(CompletionResponse(
+                    id=request_id, created=created, model=self.served_model_name,
+                    choices=[CompletionResponseChoice(
+                        index=index, text=c.text, logprobs=logprobs,
+                        finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                    )],
+                ))
+        if request.stream_options and request.stream_options.include_usage:
+            yield sse(CompletionResponse(
+                id=request_id, created=created, model=self.served_model_name, choices=[],
+                usage=UsageInfo(**usage_counts(prompt_lens, completion_tokens)),
+            ))

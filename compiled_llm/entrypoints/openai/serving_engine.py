@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, TypeVar
 
 from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from compiled_llm.engine.async_llm import AsyncLLM, RequestStream
@@ -16,10 +17,12 @@ from compiled_llm.engine.core_client import EngineDeadError
 from compiled_llm.engine.processor import PromptType
 from compiled_llm.entrypoints.openai.errors import OpenAIError, engine_dead_message, error_body
 from compiled_llm.entrypoints.openai.protocol import SamplingRequest
+from compiled_llm.logger import init_logger
 from compiled_llm.outputs import RequestOutput
 from compiled_llm.sampling_params import SamplingParams
 
 T = TypeVar("T")
+logger = init_logger(__name__)
 
 DONE = "data: [DONE]\n\n"
 
@@ -99,22 +102,58 @@ class OpenAIServing:
         except ValueError as e:
             raise OpenAIError(str(e)) from e
 
-    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> RequestStream:
+    async def add_request(
+        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
+    ) -> RequestStream:
         try:
-            return await self.engine.add_request(request_id, prompt, params)
+            return await self.engine.add_request(request_id, prompt, params, priority)
         except ValueError as e:
             raise OpenAIError(str(e)) from e
 
-    async def add_requests(self, request_id: str, prompts: list[PromptType], params: SamplingParams) -> list[RequestStream]:
+    async def add_requests(
+        self, request_id: str, prompts: list[PromptType], params: SamplingParams, priority: int = 0
+    ) -> list[RequestStream]:
         """All or nothing: if one prompt is refused, the ones already sent are aborted."""
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
-                streams.append(await self.add_request(f"{request_id}-{i}", prompt, params))
+                streams.append(await self.add_request(f"{request_id}-{i}", prompt, params, priority))
         except BaseException:
             await self.engine.abort([s.request_id for s in streams])
             raise
         return streams
+
+
+def event_stream(events: AsyncIterator[str], request_ids: list[str], engine: AsyncLLM) -> StreamingResponse:
+    """A streaming response: the server-sent `events`, then `[DONE]`. An error mid-way ends it with
+    an error event first; however it ends (the client gone included), its requests are aborted."""
+
+    async def body() -> AsyncIterator[str]:
+        try:
+            try:
+                async for event in events:
+                    yield event
+            except Exception as e:
+                logger.error("Stream %s failed: %s", request_ids[0] if request_ids else "?", e)
+                yield sse_error(e)
+            yield DONE
+        finally:
+            await engine.abort(request_ids)
+
+    return StreamingResponse(body(), media_type="text/event-stream")
+
+
+async def json_response(raw_request: Request, work: Awaitable[BaseModel], request_ids: list[str],
+                        engine: AsyncLLM) -> Response:
+    """A whole response, computed unless the client goes away first (then 499 and its requests
+    aborted rather than generated for nobody)."""
+    try:
+        response = await unless_disconnected(raw_request, work)
+    finally:
+        await engine.abort(request_ids)
+    if response is None:
+        return Response(status_code=499)
+    return JSONResponse(response.model_dump())
 
 
 async def final_output(stream: RequestStream) -> RequestOutput:

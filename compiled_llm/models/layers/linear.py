@@ -18,12 +18,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cpu
 class Linear(nn.Module):
     """`y = x W^T + b` with uninitialised parameters: the loader fills them."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, cpu_kernel: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        self.cpu_kernel = False  # set by the model runner when the C++ CPU kernels are built
+        self.cpu_kernel = cpu_kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.cpu_kernel)
@@ -37,8 +37,8 @@ class Linear(nn.Module):
 class MergedLinear(Linear):
     """Several linear maps of the same input stacked along the output dim (one matmul, not many)."""
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
-        super().__init__(in_features, sum(output_sizes), bias)
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False, cpu_kernel: bool = False) -> None:
+        super().__init__(in_features, sum(output_sizes), bias, cpu_kernel)
         self.output_sizes = output_sizes
         self.offsets = [sum(output_sizes[:i]) for i in range(len(output_sizes))]
 
@@ -59,8 +59,14 @@ class MergedLinear(Linear):
 class QKVLinear(MergedLinear):
     """The query, key and value projections of one attention layer, fused."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool) -> None:
-        super().__init__(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], bias)
+    def __init__(
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, cpu_kernel: bool = False
+    ) -> None:
+        sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+        super().__init__(hidden_size, sizes, bias, cpu_kernel)
 
     def shard_index(self, shard: int | str | None) -> int:
-        return {"q": 0, "k": 1, "v": 2}[shard]  # type: ignore[index]
+        index = {"q": 0, "k": 1, "v": 2}.get(shard) if isinstance(shard, str) else None
+        if index is None:
+            raise ValueError(f"QKVLinear shards are 'q', 'k' and 'v', got {shard!r}")
+        return index

@@ -6,10 +6,10 @@ msgspec Structs, encoded as msgpack on the wire: a peer can send data, never cod
 from __future__ import annotations
 
 import enum
-import time
 
 import msgspec
 
+from compiled_llm.messages.runner_output import LogprobsLists
 from compiled_llm.sampling_params import SamplingParams
 
 
@@ -19,17 +19,6 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     sampling_params: SamplingParams
     arrival_time: float = 0.0
     priority: int = 0
-
-
-class LogprobsLists(msgspec.Struct, array_like=True):
-    """Log probabilities of the tokens sampled in one step for one request.
-
-    Row i: the sampled token first, then the top-k candidates (ranks 1..k).
-    """
-
-    token_ids: list[list[int]]
-    logprobs: list[list[float]]
-    sampled_ranks: list[int]
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -78,7 +67,3 @@ class UtilityRequest(msgspec.Struct, array_like=True):
     call_id: int
     method: str
     args: list = []
-
-
-def now() -> float:
-    return time.time()

@@ -2,79 +2,45 @@
 
 There are no prefill and decode phases. Every request has `num_computed_tokens` and
 `num_tokens`; a step gives each scheduled request some new tokens within the token budget
-(`max_num_batched_tokens`), running requests first, then waiting ones in arrival order
-(chunked prefill splits a long prompt across steps). When the KV cache runs out for a running
-request, the last running request is preempted (its blocks freed, recomputed later); a waiting
-request never preempts anyone.
+(`max_num_batched_tokens`), running requests first, then waiting ones in the policy's order
+(arrival, or priority then arrival; chunked prefill splits a long prompt across steps). When the
+KV cache runs out for a running request, a running request is preempted (its blocks freed,
+recomputed later): the last one to arrive, or under the priority policy the one of lowest
+priority. A waiting request never preempts anyone.
+
+With asynchronous scheduling the next step is scheduled before the last one's tokens are known:
+a request that samples in a step gets a placeholder token (`num_output_placeholders`), which the
+next step computes (the runner feeds it from the device), and which turns into a real token when
+that step's output arrives. A request whose placeholders will end it (max_tokens, max_model_len)
+leaves the running batch at once and gives its blocks back, as it would once finished (the step
+still in flight writes its last KV entry before any later step can reuse them); it finishes when
+its output arrives. One that turns out to have stopped (EOS, a stop token) is finished then, and
+whatever a step already in flight computed for it is dropped.
 """
 
 from __future__ import annotations
 
-import time
-from collections import deque
-from dataclasses import dataclass, field
-
 from compiled_llm.config import CacheConfig, SchedulerConfig
-from compiled_llm.engine.kv_cache_manager import KVCacheManager
-from compiled_llm.engine.messages import EngineCoreOutput, LogprobsLists, SchedulerStats
-from compiled_llm.engine.request import Request, RequestStatus
-from compiled_llm.sampling_params import SamplingParams
-
-
-@dataclass
-class NewRequestData:
-    """A request the model runner has no row for yet (new, or resumed after preemption)."""
-
-    req_id: str
-    token_ids: list[int]  # prompt and any output generated before a preemption
-    num_prompt_tokens: int
-    sampling_params: SamplingParams
-    block_ids: list[int]
-    num_computed_tokens: int
-
-
-@dataclass
-class CachedRequestData:
-    """A request the runner already holds: only what changed."""
-
-    req_id: str
-    new_block_ids: list[int]
-    num_computed_tokens: int
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled_new_reqs: list[NewRequestData]
-    scheduled_cached_reqs: list[CachedRequestData]
-    num_scheduled_tokens: dict[str, int]
-    total_num_scheduled_tokens: int
-    finished_req_ids: set[str] = field(default_factory=set)  # rows the runner can drop
-    # Rows the runner drops for now but whose sampling state (a seeded generator) it keeps:
-    # the request comes back and must draw the same random numbers as if never preempted.
-    preempted_req_ids: set[str] = field(default_factory=set)
-
-    @property
-    def empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0
-
-
-@dataclass
-class ModelRunnerOutput:
-    req_ids: list[str]
-    sampled_token_ids: list[list[int]]  # empty for a request still in the middle of its prompt
-    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+from compiled_llm.core.kv_cache_manager import KVCacheManager
+from compiled_llm.core.request import Request, RequestStatus
+from compiled_llm.core.request_queue import make_request_queue
+from compiled_llm.messages.engine_core import EngineCoreOutput, SchedulerStats
+from compiled_llm.messages.runner_output import ModelRunnerOutput
+from compiled_llm.messages.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, eos_token_ids: list[int]) -> None:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
         assert cache_config.num_blocks is not None, "the KV cache size must be known"
         self.config = scheduler_config
         self.block_size = cache_config.block_size
-        self.eos_token_ids = eos_token_ids
         self.kv = KVCacheManager(cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting = make_request_queue(scheduler_config.policy)
         self.running: list[Request] = []
+        self.async_scheduling = scheduler_config.async_scheduling
+        # (asynchronous) Requests whose tokens in flight finish them: out of `running`, blocks freed.
+        self.finishing: dict[str, Request] = {}
         self.finished_req_ids: set[str] = set()
         self.preempted_req_ids: set[str] = set()
         self.num_preemptions = 0
@@ -86,7 +52,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add(request)
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
         aborted = []
@@ -94,7 +60,9 @@ class Scheduler:
             request = self.requests.get(rid)
             if request is None or request.status.finished:
                 continue
-            if request.status == RequestStatus.RUNNING:
+            if self.finishing.pop(rid, None) is not None:
+                pass
+            elif request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
             else:
                 self.waiting.remove(request)
@@ -115,26 +83,44 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _release_finishing(self) -> None:
+        """(asynchronous) Take requests whose tokens in flight end them out of the batch now."""
+        ending = [r for r in self.running if self._ends_with_placeholders(r)]
+        if not ending:
+            return
+        self.running = [r for r in self.running if not self._ends_with_placeholders(r)]
+        for request in ending:
+            self.kv.free(request)
+            self.finishing[request.request_id] = request
+
     # ---- one step -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
+        prompt_counted: dict[str, int] = {}
         preempted = False
 
+        if self.async_scheduling:
+            self._release_finishing()
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new <= 0:  # nothing to compute (cannot happen without speculative tokens)
+            num_new = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens, budget)
+            if num_new <= 0:
                 index += 1
                 continue
             while True:
                 new_blocks = self.kv.allocate_slots(request, num_new)
                 if new_blocks is not None:
                     break
-                victim = self.running.pop()
+                victim = self._pick_victim()
+                if victim.request_id in num_scheduled:  # (priority) already given tokens this step: undo
+                    budget += num_scheduled.pop(victim.request_id)
+                    self._prompt_tokens -= prompt_counted.pop(victim.request_id)
+                    cached_reqs = [c for c in cached_reqs if c.req_id != victim.request_id]
+                    index -= 1
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
@@ -144,7 +130,9 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             budget -= num_new
             # The rest of a chunked prompt (or a recomputed one) counts as prompt tokens too.
-            self._prompt_tokens += max(0, min(num_new, request.num_prompt_tokens - request.num_computed_tokens))
+            prompt = max(0, min(num_new, request.num_prompt_tokens - request.num_computed_tokens))
+            prompt_counted[request.request_id] = prompt
+            self._prompt_tokens += prompt
             cached_reqs.append(
                 CachedRequestData(request.request_id, [b.block_id for b in new_blocks], request.num_computed_tokens)
             )
@@ -152,7 +140,7 @@ class Scheduler:
 
         # Admit waiting requests only when nobody had to be preempted for lack of room.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+            request = self.waiting.peek()
             computed_blocks, num_hit = [], 0
             looked_up = request.num_computed_tokens == 0
             if looked_up:
@@ -162,7 +150,7 @@ class Scheduler:
             if self.kv.allocate_slots(request, num_new, computed_blocks) is None:
                 request.num_computed_tokens = 0
                 break
-            self.waiting.popleft()
+            self.waiting.pop()
             if looked_up:
                 self.kv.record_prefix_lookup(request, num_hit)
             if request.num_cached_tokens < 0:
@@ -185,7 +173,11 @@ class Scheduler:
 
         # Scheduled tokens count as computed from now on: the step computes them.
         for rid, n in num_scheduled.items():
-            self.requests[rid].num_computed_tokens += n
+            request = self.requests[rid]
+            request.num_computed_tokens += n
+            samples = request.num_computed_tokens == request.num_tokens + request.num_output_placeholders
+            if self.async_scheduling and samples:
+                request.num_output_placeholders += 1  # its token is known a step later
         output = SchedulerOutput(
             new_reqs,
             cached_reqs,
@@ -198,25 +190,48 @@ class Scheduler:
         self.preempted_req_ids = set()
         return output
 
+    def _ends_with_placeholders(self, request: Request) -> bool:
+        """The tokens in flight take the request to max_tokens or max_model_len: it finishes when
+        they arrive, and another step for it would compute a token nobody gets."""
+        pending = request.num_output_placeholders
+        if not pending:
+            return False
+        return (request.max_tokens is not None and request.num_output_tokens + pending >= request.max_tokens) or (
+            request.num_tokens + pending >= self.config.max_model_len
+        )
+
+    def _pick_victim(self) -> Request:
+        """The running request to preempt (and take out of `running`): the last to arrive, or the
+        lowest-priority one (latest among equals) under the priority policy."""
+        if self.config.policy == "priority":
+            victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
+            self.running.remove(victim)
+            return victim
+        return self.running.pop()
+
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.add_preempted(request)
         self.preempted_req_ids.add(request.request_id)  # the runner drops its row, keeps its RNG
 
     # ---- after the model ran ------------------------------------------------------------------
-    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
         stopped: list[Request] = []
         for rid, sampled in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             request = self.requests.get(rid)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue  # aborted while the step ran
-            if not sampled:
-                continue  # a prompt chunk: nothing to report yet
+            if request is None or request.status.finished or not sampled:
+                continue  # aborted or finished while the step ran, or a prompt chunk (nothing to report)
+            if request.num_output_placeholders:
+                request.num_output_placeholders -= 1  # (asynchronous) the token it stood for
+            elif request.status != RequestStatus.RUNNING:
+                continue
             new_tokens: list[int] = []
             for token in sampled:
                 request.append_output_token(token)
@@ -239,6 +254,9 @@ class Scheduler:
             stopped_ids = {r.request_id for r in stopped}
             self.running = [r for r in self.running if r.request_id not in stopped_ids]
             for request in stopped:
+                # (asynchronous) It may have left the batch already: ending, or preempted with a token in flight.
+                if self.finishing.pop(request.request_id, None) is None and request in self.waiting:
+                    self.waiting.remove(request)
                 self._finish(request, request.status)
         return outputs
 

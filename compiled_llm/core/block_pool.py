@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from compiled_llm.engine.block_hash import BlockHash
+from compiled_llm.core.block_hash import BlockHash
 
 
 class KVCacheBlock:

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from compiled_llm.engine.arg_utils import EngineArgs
 from compiled_llm.engine.core_client import AsyncMPClient, InprocClient
-from compiled_llm.engine.messages import EngineCoreRequest, RequestType
+from compiled_llm.messages.engine_core import EngineCoreRequest, RequestType
 from compiled_llm.sampling_params import SamplingParams
 
 TIMEOUT = 60

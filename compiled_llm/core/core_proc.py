@@ -26,15 +26,15 @@ import msgspec
 import zmq
 
 from compiled_llm.config import EngineConfig
-from compiled_llm.engine.engine_core import EngineCore
-from compiled_llm.engine.messages import (
+from compiled_llm.core.engine_core import EngineCore
+from compiled_llm.logger import init_logger
+from compiled_llm.messages.engine_core import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     RequestType,
     UtilityRequest,
 )
-from compiled_llm.logger import init_logger
 
 logger = init_logger(__name__)
 
@@ -237,7 +237,7 @@ def _watch_parent(conn: Connection) -> None:
 
 
 def run_engine_core(
-    config: EngineConfig, load_format: str, input_address: str, output_address: str, conn: Connection
+    config: EngineConfig, input_address: str, output_address: str, conn: Connection
 ) -> None:
     """Entry point of the engine process (multiprocessing, spawn context)."""
     from setproctitle import setproctitle
@@ -248,7 +248,7 @@ def run_engine_core(
     threading.Thread(target=_watch_parent, args=(conn,), name="ParentWatch", daemon=True).start()
     encoder = msgspec.msgpack.Encoder()
     try:
-        engine = EngineCore(config, load_format)
+        engine = EngineCore(config)
     except SystemExit:
         return
     except BaseException as e:
@@ -257,7 +257,7 @@ def run_engine_core(
         if not isinstance(e, CompileCacheError):  # the user's to fix: the frontend says it in one line
             logger.exception("Engine core failed to start.")
         conn.send_bytes(encoder.encode(Handshake(ok=False, error=f"{type(e).__name__}: {e}")))
-        raise SystemExit(1)
+        raise SystemExit(1) from None
     proc = EngineCoreProc(engine, input_address, output_address)
     conn.send_bytes(
         encoder.encode(

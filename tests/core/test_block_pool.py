@@ -6,10 +6,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from compiled_llm.engine.block_hash import hash_block_tokens
-from compiled_llm.engine.block_pool import BlockPool
-from compiled_llm.engine.kv_cache_manager import KVCacheManager
-from compiled_llm.engine.request import Request
+from compiled_llm.core.block_hash import hash_block_tokens
+from compiled_llm.core.block_pool import BlockPool
+from compiled_llm.core.kv_cache_manager import KVCacheManager
+from compiled_llm.core.request import Request
 from compiled_llm.sampling_params import SamplingParams
 
 BLOCK = 4
@@ -126,7 +126,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         for block in pool.blocks[1:]:
             assert block.ref_cnt >= 0
             assert block.ref_cnt == held.get(block.block_id, 0)
-            assert (block.block_id in free_ids) == (block.ref_cnt == 0), "a free block is in use (or a used one is free)"
+            assert (block.block_id in free_ids) == (block.ref_cnt == 0), \
+                "a free block is in use (or a used one is free)"
         assert pool.num_free_blocks == len(free_ids)
         assert 0 not in free_ids and 0 not in held
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
-from compiled_llm.engine.block_hash import BlockHash, hash_block_tokens
+from compiled_llm.core.block_hash import BlockHash, hash_block_tokens
 from compiled_llm.sampling_params import SamplingParams
 
 
@@ -53,6 +53,9 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 until admitted
         self.num_preemptions = 0
+        # Asynchronous scheduling: tokens sampled by steps still in flight, whose ids the host
+        # does not know yet (the next step computes them from the device's copy).
+        self.num_output_placeholders = 0
         self.block_size = block_size
         self.block_hashes: list[BlockHash] = []
         self._update_block_hashes()

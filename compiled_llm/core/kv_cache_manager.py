@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from compiled_llm.engine.block_pool import BlockPool, KVCacheBlock
-from compiled_llm.engine.request import Request
+from compiled_llm.core.block_pool import BlockPool, KVCacheBlock
+from compiled_llm.core.request import Request
 from compiled_llm.utils import cdiv
 
 

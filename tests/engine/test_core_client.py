@@ -14,10 +14,10 @@ import time
 import psutil
 import pytest
 
+from compiled_llm.core.core_proc import ENGINE_PROC_TITLE
 from compiled_llm.engine.arg_utils import EngineArgs
 from compiled_llm.engine.core_client import AsyncMPClient, EngineDeadError, EngineStartupError, InprocClient
-from compiled_llm.engine.core_proc import ENGINE_PROC_TITLE
-from compiled_llm.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from compiled_llm.messages.engine_core import EngineCoreOutputs, EngineCoreRequest
 from compiled_llm.sampling_params import SamplingParams
 
 TIMEOUT = 60

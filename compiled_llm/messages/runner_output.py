@@ -1,0 +1,26 @@
+"""What the model runner hands back to the engine core after a step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+
+
+class LogprobsLists(msgspec.Struct, array_like=True):
+    """Log probabilities of the tokens sampled in one step for one request (it travels on to the
+    frontend inside `EngineCoreOutput`).
+
+    Row i: the sampled token first, then the top-k candidates (ranks 1..k).
+    """
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    sampled_ranks: list[int]
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]  # empty for a request still in the middle of its prompt
+    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)

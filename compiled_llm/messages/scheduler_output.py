@@ -1,0 +1,44 @@
+"""What the scheduler hands the model runner for one step: only what changed since the last one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from compiled_llm.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the model runner has no row for yet (new, or resumed after preemption)."""
+
+    req_id: str
+    token_ids: list[int]  # prompt and any output generated before a preemption
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """A request the runner already holds: only what changed."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str] = field(default_factory=set)  # rows the runner can drop
+    # Rows the runner drops for now but whose sampling state (a seeded generator) it keeps:
+    # the request comes back and must draw the same random numbers as if never preempted.
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
