@@ -163,7 +163,8 @@ def main() -> None:
 def write_results(path: str | None, on_gpu: bool, results: Results) -> None:
     if path:
         with open(path, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name() if on_gpu else "cpu-smoke", "results": results}, f, indent=2)
+            device = torch.cuda.get_device_name() if on_gpu else "cpu-smoke"
+            json.dump({"device": device, "results": results}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -23,9 +23,9 @@ import tempfile
 
 import httpx
 import torch
+from serve import Server, free_port, run_level
 
 from compiled_llm.models.dummy import SMOLLM2_135M, write_dummy_model
-from serve import Server, free_port, run_level
 
 
 def word_prompts(num: int, vocab_size: int, prompt_range: tuple[int, int], output_range: tuple[int, int],

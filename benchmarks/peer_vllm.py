@@ -253,10 +253,9 @@ def step_one(engine, prompt_ids: list[int], max_tokens: int, SamplingParams, DEL
 
 
 def _job_offline(llm, job: dict, result: dict) -> None:
+    from machine import step_breakdown
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
-
-    from machine import step_breakdown
 
     DELTA = RequestOutputKind.DELTA
     engine = llm.llm_engine

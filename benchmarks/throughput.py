@@ -34,11 +34,17 @@ import random
 import statistics
 import time
 
-import torch
-
 import peer_vllm
-from machine import (decode_step_bytes, default_threads, dtypes_to_run, format_machine, machine_report, ratio,
-                     step_breakdown)
+import torch
+from machine import (
+    decode_step_bytes,
+    default_threads,
+    dtypes_to_run,
+    format_machine,
+    machine_report,
+    ratio,
+    step_breakdown,
+)
 from peer_vllm import step_one
 from workload import english_like_ids, throughput_workload
 
@@ -172,7 +178,8 @@ def hf_throughput(model, tok, requests, batch_size: int = 8) -> tuple[float, int
         ids = torch.tensor([[pad] * (width - len(r.prompt_token_ids)) + r.prompt_token_ids for r in batch])
         mask = torch.tensor([[0] * (width - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids) for r in batch])
         new = max(r.output_len for r in batch)
-        model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=pad)
+        model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                       pad_token_id=pad)
     return time.perf_counter() - start, sum(r.output_len for r in requests)
 
 

@@ -70,7 +70,8 @@ def token_argument(args: tuple[Any, ...], symbol: sympy.Symbol | None) -> tuple[
         if isinstance(a, torch.SymInt) and a.node.expr == symbol:
             return i, True
     for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor) and a.dim() and isinstance(a.shape[0], torch.SymInt) and a.shape[0].node.expr == symbol:
+        sized = isinstance(a, torch.Tensor) and a.dim() and isinstance(a.shape[0], torch.SymInt)
+        if sized and a.shape[0].node.expr == symbol:
             return i, False
     raise RuntimeError("a compiled piece has no input sized by the token dimension")
 
@@ -286,10 +287,14 @@ class CompilerBackend:
         return split
 
     # ---- shared ---------------------------------------------------------------------------------
-    def _install(self, split: fx.GraphModule, metas: list[PieceMeta], artifacts: dict[tuple[str, ShapeSpec], Any]) -> None:
+    def _install(
+        self, split: fx.GraphModule, metas: list[PieceMeta], artifacts: dict[tuple[str, ShapeSpec], Any]
+    ) -> None:
         piecewise = self.config.cudagraph_mode.has_piecewise_cudagraphs()
         for meta in metas:
-            runnables = {spec: CompiledPiece(artifacts[meta.piece_hash, spec], meta.returns_tuple) for spec in self.specs}
+            runnables = {
+                spec: CompiledPiece(artifacts[meta.piece_hash, spec], meta.returns_tuple) for spec in self.specs
+            }
             backend = PiecewiseBackend(meta.name, (meta.token_index, meta.token_is_int), runnables)
             del split._modules[meta.name]
             # Under piecewise CUDA graphs each compiled piece is captured and replayed by itself.

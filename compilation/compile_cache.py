@@ -180,7 +180,9 @@ def _remove_dead_stages() -> None:
 
 
 class CompileCache:
-    def __init__(self, root: str | Path | None, key: str, factors: dict[str, Any], signing_key: bytes | None = None) -> None:
+    def __init__(
+        self, root: str | Path | None, key: str, factors: dict[str, Any], signing_key: bytes | None = None
+    ) -> None:
         self.root = Path(root).expanduser() if root else default_cache_root()
         self.key = key
         self.factors = factors
@@ -269,7 +271,8 @@ class CompileCache:
         where = str(oserror.filename or "")
         if not where or where.startswith(str(self.root)):
             return CompileCacheWriteError(
-                f"cannot write the compile cache entry {self.entry}: {oserror.strerror}" + (f" ({where})" if where else "")
+                f"cannot write the compile cache entry {self.entry}: {oserror.strerror}"
+                + (f" ({where})" if where else "")
             )
         return CompileCacheWriteError(f"compiling failed on {where}: {oserror.strerror}")
 
@@ -300,7 +303,9 @@ class CompileCache:
             try:
                 fd = self._open_lock()
             except OSError as e:
-                raise CompileCacheWriteError(f"cannot create the compile cache lock {self.lock_path}: {e.strerror}") from None
+                raise CompileCacheWriteError(
+                    f"cannot create the compile cache lock {self.lock_path}: {e.strerror}"
+                ) from None
             fcntl.flock(fd, fcntl.LOCK_EX)
             try:
                 same = os.path.samestat(os.fstat(fd), os.stat(self.lock_path))
@@ -341,7 +346,8 @@ class CompileCache:
             return not self.entry.exists()
         for path in self._walk(self.entry):
             rel = path.relative_to(self.entry).as_posix()
-            if is_temp_file(path.name) or (listed is not None and rel not in listed and rel not in (INDEX_FILE, SIGNATURE_FILE)):
+            unlisted = listed is not None and rel not in listed and rel not in (INDEX_FILE, SIGNATURE_FILE)
+            if is_temp_file(path.name) or unlisted:
                 path.unlink(missing_ok=True)
         return False
 
@@ -386,7 +392,8 @@ class CompileCache:
         except (ValueError, AttributeError) as e:
             return {}, Damage(INDEX_FILE, f"is unreadable ({type(e).__name__})", whole_entry=True)
         if version != INDEX_VERSION or key != self.key or not isinstance(files, dict):
-            return {}, Damage(INDEX_FILE, f"is not a version {INDEX_VERSION} index for key {self.key}", whole_entry=True)
+            why = f"is not a version {INDEX_VERSION} index for key {self.key}"
+            return {}, Damage(INDEX_FILE, why, whole_entry=True)
         return files, None
 
     def load_index(self) -> Damage | None:

@@ -96,5 +96,6 @@ def structural_hash(gm: fx.GraphModule) -> str:
             target = f"{module}.{target}"
         if node.op == "placeholder":
             target = "input"
-        lines.append(repr((node.op, target, _describe(node.args, names), _describe(node.kwargs, names), _meta_signature(node))))
+        args, kwargs = _describe(node.args, names), _describe(node.kwargs, names)
+        lines.append(repr((node.op, target, args, kwargs, _meta_signature(node))))
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:24]

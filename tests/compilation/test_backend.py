@@ -25,7 +25,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def run_fresh(cache_dir, ranges=None, sizes=(), strict=False, wait=True):
-    cmd = [sys.executable, "-m", "tests.compilation.toy_compile", str(cache_dir), json.dumps(ranges), json.dumps(list(sizes)), "1" if strict else "0"]
+    cmd = [sys.executable, "-m", "tests.compilation.toy_compile", str(cache_dir), json.dumps(ranges),
+           json.dumps(list(sizes)), "1" if strict else "0"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "COMPILED_LLM_LOG_LEVEL": "INFO"})
     if not wait:
@@ -65,7 +66,8 @@ def test_compile_count_and_dispatch_for_ranges_and_sizes(tmp_path):
     assert snap["num_inductor_compilations"] == 3 * 4  # unique pieces x (2 ranges + 2 sizes)
     backend = compiled.backend
     with torch.inference_mode():
-        for n, expected in [(4, "s4"), (5, "r1-8"), (1, "r1-8"), (16, "s16"), (9, "r9-32"), (20, "r9-32"), (32, "r9-32")]:
+        cases = [(4, "s4"), (5, "r1-8"), (1, "r1-8"), (16, "s16"), (9, "r9-32"), (20, "r9-32"), (32, "r9-32")]
+        for n, expected in cases:
             x, pos = inputs(n)
             out = compiled(x, pos)
             assert (out - model(x, pos)).abs().max().item() < 1e-5

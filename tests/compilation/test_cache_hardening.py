@@ -284,7 +284,8 @@ def test_a_refused_strict_start_leaves_nothing(tmp_path):
 
 def test_a_refused_strict_serve_is_one_line(tiny_llama, tmp_path):
     out = subprocess.run(["compiled-llm", "serve", tiny_llama, "--compile-cache", str(tmp_path / "cache"),
-                          "--require-cache-hit", "--port", "0", *TINY_FLAGS], capture_output=True, text=True, timeout=600)
+                          "--require-cache-hit", "--port", "0", *TINY_FLAGS],
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 1
     assert "Compile cache miss" in one_error_line(out.stderr)
     assert not (tmp_path / "cache").exists()
@@ -309,7 +310,8 @@ def test_every_file_of_an_entry_is_in_the_index(filled):
     assert set(index) == files
     assert {"graph.pkl", "graph.json", "factors.json"} <= files and any(f.startswith("inductor/") for f in files)
     for rel, record in index.items():
-        assert record == {"sha256": hashlib.sha256((entry / rel).read_bytes()).hexdigest(), "bytes": (entry / rel).stat().st_size}
+        data = (entry / rel).read_bytes()
+        assert record == {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
 
 
 def test_entry_files_are_readable_by_the_serving_user(filled):

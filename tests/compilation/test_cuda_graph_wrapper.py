@@ -148,7 +148,7 @@ def test_attributes_of_the_runnable_are_reachable():
     assert wrapper.out_features == 2 and wrapper.weight is linear.weight
     assert "Linear" in repr(wrapper) and "FULL" in repr(wrapper)
     with pytest.raises(AttributeError):
-        wrapper.no_such_attribute
+        _ = wrapper.no_such_attribute
 
 
 def test_debug_check_follows_the_environment(monkeypatch):

@@ -62,8 +62,8 @@ def main() -> None:
     cache_dir, ranges, sizes, strict = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4] == "1"
     options = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}  # signing_key_file, key
     try:
-        model, compiled, snapshot = compile_toy(cache_dir, [tuple(r) for r in ranges] if ranges else None, sizes, strict,
-                                                **options)
+        ranges = [tuple(r) for r in ranges] if ranges else None
+        model, compiled, snapshot = compile_toy(cache_dir, ranges, sizes, strict, **options)
     except Exception as e:  # reported to the parent test as data
         print(json.dumps({"error": f"{type(e).__name__}: {e}"}))
         return
