@@ -16,6 +16,9 @@ class Logprob:
 
 # One dict per generated position: token id -> Logprob, the sampled token first.
 SampleLogprobs = list[dict[int, Logprob]]
+# One per prompt position: None for the first token (nothing precedes it), then the prompt's token
+# first and the top candidates after it.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -49,6 +52,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = field(default=None, repr=False)
+    prompt_logprobs: PromptLogprobs | None = None
 
     def add(self, next_output: "RequestOutput", aggregate: bool) -> None:
         """Fold a later output of the same request into this one (a slow reader gets one output).

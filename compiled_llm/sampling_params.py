@@ -7,6 +7,7 @@ as pickle.
 from __future__ import annotations
 
 from enum import IntEnum
+from typing import Any
 
 import msgspec
 
@@ -18,6 +19,30 @@ class RequestOutputKind(IntEnum):
     CUMULATIVE = 0  # every output holds everything generated so far
     DELTA = 1  # every output holds only what is new since the last one
     FINAL_ONLY = 2  # one output, when the request finishes
+
+
+class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A constraint on the output, enforced by a grammar engine (vLLM's names): exactly one of a
+    JSON schema (`json`, as a dict or its JSON text), any JSON object (`json_object`), a regular
+    expression, a list of choices, or an EBNF grammar."""
+
+    json: str | dict[str, Any] | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise ValueError(
+                "structured outputs take exactly one of json, json_object, regex, choice or grammar, "
+                f"got {', '.join(given) or 'none'}."
+            )
+        if self.choice is not None and (not self.choice or any(not isinstance(c, str) for c in self.choice)):
+            raise ValueError("structured outputs' choice must be a non-empty list of strings.")
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -41,6 +66,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Added to the logits of these token ids before sampling (OpenAI's logit_bias, [-100, 100]).
+    logit_bias: dict[int, float] | None = None
+    # Logprobs of each prompt token (given the tokens before it), with this many top candidates.
+    prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
