@@ -75,6 +75,8 @@ class RequestOutput:
             else:
                 self.outputs[self.outputs.index(mine)] = completion
         self.finished = next_output.finished
+        if self.prompt_logprobs is None:  # sent once (with the first output, for deltas)
+            self.prompt_logprobs = next_output.prompt_logprobs
         self.num_cached_tokens = next_output.num_cached_tokens
         self.metrics = next_output.metrics
 

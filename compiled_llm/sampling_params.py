@@ -6,6 +6,7 @@ as pickle.
 
 from __future__ import annotations
 
+import math
 from enum import IntEnum
 from typing import Any
 
@@ -31,6 +32,9 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    # JSON (schema or object) without free whitespace between tokens: a small model cannot then
+    # spend its whole budget on blank lines inside the object.
+    disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
@@ -91,7 +95,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         def bad(field: str, why: str) -> ValueError:
             return ValueError(f"{field} {why}, got {getattr(self, field)!r}.")
 
-        for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs"):
+        for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and _INT64_MIN <= value <= _INT64_MAX):
                 raise bad(name, "must be an integer within int64")
@@ -111,20 +115,50 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise bad("top_k", "must be 0 or -1 (disabled) or a positive integer")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "must be in [0, 1]")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise bad("max_tokens", "must be at least 1")
+        if self.max_tokens is not None and self.max_tokens < 1 and not (
+            self.max_tokens == 0 and self.prompt_logprobs is not None
+        ):
+            raise bad("max_tokens", "must be at least 1 (0 only with prompt_logprobs, to score a prompt)")
         if self.min_tokens < 0:
             raise bad("min_tokens", "must be non-negative")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and self.logprobs < 0:
             raise bad("logprobs", "must be non-negative")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < -1:
+            raise bad("prompt_logprobs", "must be non-negative, or -1 for the whole vocabulary")
+        self._verify_logit_bias()
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise bad("stop", "must hold non-empty strings")
         if any(not isinstance(t, int) or not 0 <= t <= _INT64_MAX for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must hold non-negative token ids")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True.")
+
+    def _verify_logit_bias(self) -> None:
+        """Token ids are integers and biases finite numbers in [-100, 100] (OpenAI's range); that
+        the ids are within the vocabulary is checked against the model by the frontend."""
+        for token_id, bias in (self.logit_bias or {}).items():
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+                raise ValueError(f"logit_bias keys must be non-negative token ids, got {token_id!r}.")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+                raise ValueError(f"logit_bias[{token_id}] must be a finite number, got {bias!r}.")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias[{token_id}] must be in [-100, 100], got {bias!r}.")
+
+    def verify_for_model(self, vocab_size: int, max_logprobs: int) -> None:
+        """What needs the model to check (the frontend's Processor and the engine core both call it):
+        logit_bias ids within the vocabulary, prompt_logprobs within `max_logprobs` (-1 lifts the
+        limit, and only then may a request ask for the whole vocabulary with -1)."""
+        bad = [t for t in self.logit_bias or {} if t >= vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias holds token id {bad[0]}, outside the vocabulary (size {vocab_size}).")
+        k = self.prompt_logprobs
+        if k is not None and max_logprobs >= 0 and (k == -1 or k > max_logprobs):
+            wanted = "the whole vocabulary (-1)" if k == -1 else k
+            raise ValueError(
+                f"prompt_logprobs must be at most {max_logprobs} (--max-logprobs; -1 lifts the limit), got {wanted}."
+            )
 
     @property
     def greedy(self) -> bool:

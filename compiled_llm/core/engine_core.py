@@ -2,21 +2,35 @@
 
 `EngineCore` is the in-process object; `engine/core_proc.py` runs one in its own process
 behind ZeroMQ sockets.
+
+A request with structured outputs waits (in `StructuredOutputManager`) until its grammar is
+compiled, then joins the scheduler. Each step that samples such a request fills the grammar
+bitmask after the forward is launched and before sampling: under asynchronous scheduling that is
+also when the step in flight is accounted, so that every grammar has seen its request's previous
+token before it says which tokens may come next.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from typing import Callable
+
+import torch
 
 from compiled_llm.config import EngineConfig
 from compiled_llm.core.request import Request
 from compiled_llm.core.scheduler import Scheduler
+from compiled_llm.core.structured_outputs.manager import StructuredOutputManager
+from compiled_llm.core.structured_outputs.spec import validate_structured_outputs
 from compiled_llm.logger import init_logger
-from compiled_llm.messages.engine_core import EngineCoreOutputs, EngineCoreRequest
+from compiled_llm.messages.engine_core import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from compiled_llm.messages.scheduler_output import SchedulerOutput
 from compiled_llm.worker.model_runner import ModelRunner
 from compiled_llm.worker.step_output import StepOutput
+
+# How long an idle engine blocks on a grammar being compiled before it looks at its inputs again.
+_GRAMMAR_WAIT_SECONDS = 0.05
 
 logger = init_logger(__name__)
 
@@ -35,6 +49,7 @@ class EngineCore:
         self.runner.compile_or_warm_up()
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config)
         self._in_flight: deque[tuple[SchedulerOutput, StepOutput]] = deque()  # launched, not yet accounted
+        self.structured_outputs: StructuredOutputManager | None = None  # made by the first constrained request
         self.startup_seconds = time.perf_counter() - started
         logger.info("Engine core ready in %.2f s.", self.startup_seconds)
 
@@ -58,57 +73,120 @@ class EngineCore:
         bad_stops = [t for t in params.stop_token_ids or [] if t >= mc.vocab_size]
         if bad_stops:
             raise ValueError(f"stop_token_ids holds {bad_stops[0]}, outside the vocabulary (size {mc.vocab_size}).")
+        params.verify_for_model(mc.vocab_size, mc.max_logprobs)
+        validate_structured_outputs(params)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.check_request(request)
-        self.scheduler.add_request(
-            Request(
-                request.request_id,
-                request.prompt_token_ids,
-                request.sampling_params,
-                self.config.model_config.eos_token_ids,
-                self.config.cache_config.block_size,
-                request.arrival_time,
-                request.priority,
-            )
+        core_request = Request(
+            request.request_id,
+            request.prompt_token_ids,
+            request.sampling_params,
+            self.config.model_config.eos_token_ids,
+            self.config.cache_config.block_size,
+            request.arrival_time,
+            request.priority,
         )
+        if request.sampling_params.structured_outputs is None:
+            self.scheduler.add_request(core_request)
+            return
+        if request.request_id in self.scheduler.requests or (
+            self.structured_outputs is not None and request.request_id in self.structured_outputs
+        ):
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if self.structured_outputs is None:
+            self.structured_outputs = StructuredOutputManager(
+                self.config.model_config, self.config.scheduler_config.max_num_seqs
+            )
+        self.structured_outputs.add_request(core_request)  # joins the scheduler once compiled
 
     def abort_requests(self, request_ids: list[str]) -> None:
+        if self.structured_outputs is not None:
+            self.structured_outputs.abort_requests(request_ids)
         self.scheduler.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
+        return (
+            self.scheduler.has_unfinished_requests()
+            or bool(self._in_flight)
+            or bool(self.structured_outputs and len(self.structured_outputs))
+        )
 
     def step(self) -> EngineCoreOutputs:
         """Schedule, run and account one step (its outputs may be empty)."""
+        outputs = self._admit_compiled_requests()
         if self.config.scheduler_config.async_scheduling:
-            return self._step_async()
-        if not self.scheduler.has_unfinished_requests():
-            return EngineCoreOutputs([], self.scheduler.make_stats(), time.time())
-        scheduler_output = self.scheduler.schedule()
-        runner_output = self.runner.execute_model(scheduler_output)
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        return EngineCoreOutputs(outputs, self.scheduler.make_stats(), time.time())
+            outputs += self._step_async()
+        elif self.scheduler.has_unfinished_requests():
+            scheduler_output = self.scheduler.schedule()
+            runner_output = self.runner.execute_model(scheduler_output, self._grammar_bitmask(scheduler_output))
+            outputs += self.scheduler.update_from_output(scheduler_output, runner_output)
+        return EngineCoreOutputs(outputs, self._stats(), time.time())
 
-    def _step_async(self) -> EngineCoreOutputs:
+    def _step_async(self) -> list[EngineCoreOutput]:
         """Launch the next step, then account the one launched before it: the device runs a step
         while the host schedules the next and reads the last one's tokens, which the host thus
-        learns a step late (two steps in flight at most)."""
+        learns a step late (two steps in flight at most). A step that samples a constrained
+        request accounts the step before it earlier, between its forward and its sampling."""
+        outputs: list[EngineCoreOutput] = []
         launched = False
         if self.scheduler.has_unfinished_requests():
             scheduler_output = self.scheduler.schedule()
-            step = self.runner.execute_model_async(scheduler_output)
+            step = self.runner.execute_model_async(scheduler_output, self._grammar_bitmask(scheduler_output, outputs))
             if not scheduler_output.empty:
                 self._in_flight.append((scheduler_output, step))
                 launched = True
-        outputs = []
         if len(self._in_flight) > 1 or (self._in_flight and not launched):
-            scheduler_output, step = self._in_flight.popleft()
-            outputs = self.scheduler.update_from_output(scheduler_output, step.get_output())
-        return EngineCoreOutputs(outputs, self.scheduler.make_stats(), time.time())
+            outputs += self._account_oldest_step()
+        return outputs
+
+    def _account_oldest_step(self) -> list[EngineCoreOutput]:
+        scheduler_output, step = self._in_flight.popleft()
+        return self.scheduler.update_from_output(scheduler_output, step.get_output())
+
+    def _grammar_bitmask(
+        self, scheduler_output: SchedulerOutput, accounted: list[EngineCoreOutput] | None = None
+    ) -> Callable[[], torch.Tensor] | None:
+        """What the runner calls, after the forward and before sampling, for the bitmask of the
+        step's constrained requests (None when it has none: nothing is built). `accounted`
+        (asynchronous scheduling) receives the outputs of the step in flight, accounted first."""
+        ids = scheduler_output.structured_output_request_ids
+        if not ids:
+            return None
+        assert self.structured_outputs is not None
+
+        def fill() -> torch.Tensor:
+            if accounted is not None and self._in_flight:
+                accounted.extend(self._account_oldest_step())
+            assert self.structured_outputs is not None
+            return self.structured_outputs.grammar_bitmask([self.scheduler.requests.get(rid) for rid in ids])
+
+        return fill
+
+    def _admit_compiled_requests(self) -> list[EngineCoreOutput]:
+        """Move constrained requests whose grammar is ready into the scheduler (blocking briefly
+        when nothing else can run); those whose grammar failed end with an error."""
+        manager = self.structured_outputs
+        if manager is None or not len(manager):
+            return []
+        if not self.scheduler.has_unfinished_requests() and not self._in_flight:
+            manager.wait(_GRAMMAR_WAIT_SECONDS)
+        ready, failed = manager.take_ready()
+        for request in ready:
+            self.scheduler.add_request(request)
+        for request, reason in failed:
+            logger.error("Request %s: %s", request.request_id, reason)
+        return [EngineCoreOutput(r.request_id, [], finish_reason="error", stop_reason=why) for r, why in failed]
+
+    def _stats(self) -> SchedulerStats:
+        stats = self.scheduler.make_stats()
+        if self.structured_outputs is not None:
+            stats.num_waiting_reqs += len(self.structured_outputs)  # waiting for their grammar
+        return stats
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv.reset_prefix_cache()
 
     def shutdown(self) -> None:
-        pass
+        if self.structured_outputs is not None:
+            self.structured_outputs.shutdown()

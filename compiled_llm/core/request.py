@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from compiled_llm.core.block_hash import BlockHash, hash_block_tokens
 from compiled_llm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from compiled_llm.core.structured_outputs.grammar import RequestGrammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -56,6 +60,8 @@ class Request:
         # Asynchronous scheduling: tokens sampled by steps still in flight, whose ids the host
         # does not know yet (the next step computes them from the device's copy).
         self.num_output_placeholders = 0
+        # Structured outputs: the matcher every accepted token advances (set once compiled).
+        self.grammar: RequestGrammar | None = None
         self.block_size = block_size
         self.block_hashes: list[BlockHash] = []
         self._update_block_hashes()
@@ -63,6 +69,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def skips_prefix_cache(self) -> bool:
+        """Prompt logprobs need every prompt position computed: cached blocks would skip some."""
+        return self.sampling_params.prompt_logprobs is not None
 
     @property
     def num_output_tokens(self) -> int:

@@ -142,7 +142,7 @@ class Scheduler:
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             computed_blocks, num_hit = [], 0
-            looked_up = request.num_computed_tokens == 0
+            looked_up = request.num_computed_tokens == 0 and not request.skips_prefix_cache
             if looked_up:
                 computed_blocks, num_hit = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, budget)
@@ -172,10 +172,13 @@ class Scheduler:
             )
 
         # Scheduled tokens count as computed from now on: the step computes them.
+        constrained: list[str] = []
         for rid, n in num_scheduled.items():
             request = self.requests[rid]
             request.num_computed_tokens += n
             samples = request.num_computed_tokens == request.num_tokens + request.num_output_placeholders
+            if samples and request.grammar is not None:
+                constrained.append(rid)
             if self.async_scheduling and samples:
                 request.num_output_placeholders += 1  # its token is known a step later
         output = SchedulerOutput(
@@ -185,6 +188,7 @@ class Scheduler:
             sum(num_scheduled.values()),
             self.finished_req_ids,
             self.preempted_req_ids,
+            constrained,
         )
         self.finished_req_ids = set()
         self.preempted_req_ids = set()
@@ -233,17 +237,23 @@ class Scheduler:
             elif request.status != RequestStatus.RUNNING:
                 continue
             new_tokens: list[int] = []
+            if request.max_tokens == 0:  # scoring a prompt: its logprobs are the result, no token
+                request.status = RequestStatus.FINISHED_LENGTH
+                sampled = []
             for token in sampled:
                 request.append_output_token(token)
                 new_tokens.append(token)
+                if request.grammar is not None:
+                    request.grammar.accept(rid, token)
                 if self._check_stop(request):
                     break
             self._generation_tokens += len(new_tokens)
             out = EngineCoreOutput(
                 rid,
                 new_tokens,
-                runner_output.logprobs.get(rid),
+                runner_output.logprobs.get(rid) if new_tokens else None,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
+                new_prompt_logprobs=runner_output.prompt_logprobs.get(rid),
             )
             if request.status.finished:
                 out.finish_reason = request.status.finish_reason
@@ -263,6 +273,10 @@ class Scheduler:
     def _check_stop(self, request: Request) -> bool:
         token = request.all_token_ids[-1]
         num_output = request.num_output_tokens
+        if request.grammar is not None and request.grammar.terminated:
+            # Complete (its stop token accepted), or given a token outside it: nothing can follow.
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
         if num_output >= request.sampling_params.min_tokens:
             if token in request.eos_token_ids:
                 request.status = RequestStatus.FINISHED_STOPPED

@@ -1,8 +1,8 @@
 """Frontend-side output handling: engine-core outputs -> `RequestOutput`s.
 
 Detokenizes incrementally, applies stop strings (asking the engine to abort a request whose
-stop string was found), builds logprobs, and gathers the `n` child requests of a parallel
-sampling request into one output.
+stop string was found), builds logprobs and prompt logprobs, and gathers the `n` child requests
+of a parallel sampling request into one output.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from compiled_llm.engine.detokenizer import IncrementalDetokenizer
 from compiled_llm.engine.tokenizer import TokenTexts
 from compiled_llm.messages.engine_core import EngineCoreOutput, EngineCoreRequest
 from compiled_llm.messages.runner_output import LogprobsLists
-from compiled_llm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from compiled_llm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput
 from compiled_llm.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -28,6 +28,8 @@ class ParentRequest:
         self.n = params.n
         self.children: dict[int, CompletionOutput] = {}
         self.num_finished = 0
+        self.prompt_logprobs: PromptLogprobs | None = None  # from the first child that has them
+        self.prompt_logprobs_sent = False
 
     def child_id(self, index: int) -> str:
         return f"{index}_{self.request_id}"
@@ -64,6 +66,8 @@ class RequestState:
     sent_tokens: int = 0  # for DELTA outputs
     sent_logprobs: int = 0
     queue: Any = None  # the async frontend's per-request stream
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_logprobs_sent: bool = False  # (DELTA outputs) they go with the first output only
 
 
 @dataclass
@@ -151,6 +155,10 @@ class OutputProcessor:
             state.num_cached_tokens = out.num_cached_tokens
             if out.new_logprobs is not None and state.logprobs is not None:
                 self._append_logprobs(state, out.new_logprobs, len(new_ids))
+            holder = state.parent or state
+            if out.new_prompt_logprobs is not None and holder.prompt_logprobs is None:
+                # (A recomputed prompt may send them twice: the first stays.)
+                holder.prompt_logprobs = [None, *self._logprob_dicts(out.new_prompt_logprobs)]
             m = state.metrics
             if new_ids:
                 m.first_token_time = m.first_token_time or now
@@ -174,13 +182,21 @@ class OutputProcessor:
         return ProcessedOutputs(request_outputs, to_abort)
 
     def _append_logprobs(self, state: RequestState, lists: LogprobsLists, num_tokens: int) -> None:
-        for ids, lps, rank in list(zip(lists.token_ids, lists.logprobs, lists.sampled_ranks))[:num_tokens]:
+        entries = self._logprob_dicts(lists, num_tokens)
+        state.logprobs.extend(entries)  # type: ignore[union-attr]
+        state.cumulative_logprob += sum(lps[0] for lps in lists.logprobs[: len(entries)])  # type: ignore[operator]
+
+    def _logprob_dicts(self, lists: LogprobsLists, limit: int | None = None) -> list[dict[int, Logprob]]:
+        """One dict per row: the sampled (or prompt) token first with its rank, then the top
+        candidates not already in it (ranks 1..k)."""
+        dicts = []
+        for ids, lps, rank in list(zip(lists.token_ids, lists.logprobs, lists.sampled_ranks))[:limit]:
             entry: dict[int, Logprob] = {ids[0]: Logprob(lps[0], rank, self.token_text(ids[0]))}
             for r, (tid, lp) in enumerate(zip(ids[1:], lps[1:]), start=1):
                 if tid not in entry:
                     entry[tid] = Logprob(lp, r, self.token_text(tid))
-            state.logprobs.append(entry)  # type: ignore[union-attr]
-            state.cumulative_logprob += lps[0]  # type: ignore[operator]
+            dicts.append(entry)
+        return dicts
 
     def _completion(self, state: RequestState, finish_reason: str | None, stop_reason: Any) -> CompletionOutput:
         finished = finish_reason is not None
@@ -223,7 +239,14 @@ class OutputProcessor:
 
     @staticmethod
     def _request_output(state: RequestState, outputs: list[CompletionOutput], finished: bool) -> RequestOutput:
+        holder = state.parent or state
+        prompt_logprobs = holder.prompt_logprobs
+        if state.params.output_kind == RequestOutputKind.DELTA:
+            if holder.prompt_logprobs_sent:
+                prompt_logprobs = None
+            elif prompt_logprobs is not None:
+                holder.prompt_logprobs_sent = True
         return RequestOutput(
             state.external_id, state.prompt, state.prompt_token_ids, outputs, finished,
-            state.num_cached_tokens, state.metrics,
+            state.num_cached_tokens, state.metrics, prompt_logprobs,
         )

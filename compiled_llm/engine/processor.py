@@ -7,6 +7,7 @@ from functools import cached_property
 from typing import Any, Union
 
 from compiled_llm.config import ModelConfig
+from compiled_llm.core.structured_outputs.spec import validate_structured_outputs
 from compiled_llm.messages.engine_core import EngineCoreRequest
 from compiled_llm.sampling_params import SamplingParams
 
@@ -96,6 +97,8 @@ class Processor:
         limit = self.model_config.max_logprobs
         if params.logprobs is not None and params.logprobs > limit:
             raise ValueError(f"logprobs must be at most {limit}, got {params.logprobs}.")
+        params.verify_for_model(self.vocab_size, limit)
+        validate_structured_outputs(params)  # a bad schema, regex or grammar: ValueError naming it
         room = max_len - len(token_ids)
         if params.max_tokens is None:
             params = params.clone(max_tokens=max(room, 1))

@@ -28,6 +28,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: str | None = None  # "stop", "length", "abort"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    # Once, with the request's first token: the logprobs of its prompt tokens after the first.
+    new_prompt_logprobs: LogprobsLists | None = None
 
     @property
     def finished(self) -> bool:

@@ -8,10 +8,10 @@ import msgspec
 
 
 class LogprobsLists(msgspec.Struct, array_like=True):
-    """Log probabilities of the tokens sampled in one step for one request (it travels on to the
-    frontend inside `EngineCoreOutput`).
+    """Log probabilities of the tokens sampled in one step for one request, or of its prompt's
+    tokens (it travels on to the frontend inside `EngineCoreOutput`).
 
-    Row i: the sampled token first, then the top-k candidates (ranks 1..k).
+    Row i: the sampled (or prompt) token first, then the top-k candidates (ranks 1..k).
     """
 
     token_ids: list[list[int]]
@@ -24,3 +24,6 @@ class ModelRunnerOutput:
     req_ids: list[str]
     sampled_token_ids: list[list[int]]  # empty for a request still in the middle of its prompt
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    # Requests whose prompt was completed in this step and that asked for prompt logprobs: one row
+    # per prompt token after the first.
+    prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)

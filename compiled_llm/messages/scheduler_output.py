@@ -38,6 +38,9 @@ class SchedulerOutput:
     # Rows the runner drops for now but whose sampling state (a seeded generator) it keeps:
     # the request comes back and must draw the same random numbers as if never preempted.
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Requests with structured outputs that sample in this step: the order of the grammar
+    # bitmask's rows, which the engine core fills once their previous tokens are accepted.
+    structured_output_request_ids: list[str] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:

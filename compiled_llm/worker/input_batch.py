@@ -39,6 +39,10 @@ class InputBatch:
         # (asynchronous scheduling): that step's number, and the token's index in its samples.
         self.pending_step = np.full(max_num_reqs, -1, dtype=np.int64)
         self.pending_index = np.zeros(max_num_reqs, dtype=np.int64)
+        # Top candidates wanted with each prompt token's logprob while the prompt is computed;
+        # -1: none (not asked, already handed out, or resumed after its first output).
+        self.num_prompt_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)
+        self.vocab_size = vocab_size
         self.sampling = SamplingState(max_num_reqs, vocab_size, torch.device(device), eos_token_ids or [])
 
     def add(self, new: NewRequestData) -> int:
@@ -52,6 +56,10 @@ class InputBatch:
         self.num_computed_tokens[row] = new.num_computed_tokens
         self.num_blocks[row] = 0
         self.pending_step[row] = -1
+        wanted = new.sampling_params.prompt_logprobs
+        fresh = n == new.num_prompt_tokens  # nothing generated yet: its prompt logprobs are still due
+        self.num_prompt_logprobs[row] = -1 if wanted is None or not fresh else (
+            self.vocab_size if wanted == -1 else min(wanted, self.vocab_size))
         self.append_blocks(row, new.block_ids)
         self.sampling.add(row, new.req_id, new.sampling_params, new.token_ids, new.num_prompt_tokens)
         return row
@@ -72,6 +80,7 @@ class InputBatch:
         self.sampling.remove(row, req_id, keep_sampling_state)
         self.req_ids[row] = None
         self.pending_step[row] = -1
+        self.num_prompt_logprobs[row] = -1
         self.block_table[row, : self.num_blocks[row]] = 0
         self.num_blocks[row] = 0
         self._free_rows.append(row)

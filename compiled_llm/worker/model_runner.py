@@ -4,7 +4,9 @@ forward pass over a flat batch of tokens and the tokens sampled from it.
 Per step: apply the scheduler's changes to the persistent request rows (`InputBatch`), gather
 the flat batch into persistent buffers (`StepInputs`), run the model inside a forward context,
 compute logits only for the requests that sample, and sample with the rows' settings
-(`SamplingState`). Its other jobs live beside it: KV sizing (`kv_cache_sizing`), compilation and
+(`SamplingState`). After the forward and outside it: prompt logprobs from the same hidden states
+(`prompt_logprobs`), and for a step with structured outputs the grammar bitmask on the logits
+(`grammar_bitmask`). Its other jobs live beside it: KV sizing (`kv_cache_sizing`), compilation and
 CUDA-graph capture (`compile_and_capture`).
 """
 
@@ -28,7 +30,9 @@ from compiled_llm.models.layers.attention import Attention
 from compiled_llm.models.loader import build_model
 from compiled_llm.utils import cdiv
 from compiled_llm.worker import kv_cache_sizing
+from compiled_llm.worker.grammar_bitmask import apply_grammar_bitmask
 from compiled_llm.worker.input_batch import InputBatch
+from compiled_llm.worker.prompt_logprobs import PromptLogprobsComputer, PromptLogprobsTensors, PromptSegment
 from compiled_llm.worker.sampler import Sampler
 from compiled_llm.worker.step_inputs import StepInputs
 from compiled_llm.worker.step_output import StepOutput
@@ -66,6 +70,8 @@ class ModelRunner:
         self.inputs = StepInputs(self.max_num_tokens, self.max_num_reqs, max_blocks_per_req, self.block_size,
                                  self.device)
         self.sampler = Sampler()
+        self.prompt_logprobs = PromptLogprobsComputer(lambda hidden: self.model.compute_logits(hidden))
+        self.num_grammar_bitmasks = 0  # steps whose logits a grammar bitmask constrained
         self.kv_caches: list[torch.Tensor] = []
         self.dispatcher: CudagraphDispatcher | None = None  # set when CUDA graphs are captured
         self._step = 0  # steps executed
@@ -131,8 +137,10 @@ class ModelRunner:
         batch = self.batch
         for rid in out.finished_req_ids:
             batch.remove(rid)
+            self.prompt_logprobs.forget(rid)
         for rid in out.preempted_req_ids:
             batch.remove(rid, keep_sampling_state=True)
+            self.prompt_logprobs.forget(rid)
         for cached in out.scheduled_cached_reqs:
             row = batch.row_of[cached.req_id]
             if cached.new_block_ids:
@@ -142,14 +150,21 @@ class ModelRunner:
             batch.add(new)
 
     @torch.inference_mode()
-    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        return self.execute_model_async(out).get_output()
+    def execute_model(
+        self, out: SchedulerOutput, grammar_bitmask: Callable[[], torch.Tensor] | None = None
+    ) -> ModelRunnerOutput:
+        return self.execute_model_async(out, grammar_bitmask).get_output()
 
     @torch.inference_mode()
-    def execute_model_async(self, out: SchedulerOutput) -> StepOutput:
+    def execute_model_async(
+        self, out: SchedulerOutput, grammar_bitmask: Callable[[], torch.Tensor] | None = None
+    ) -> StepOutput:
         """Run one step and return at once: on a GPU the forward and the sampling are queued on the
         device, and the sampled ids stay there (the next step reads them from there); the host
-        gets them from `StepOutput.get_output`, which waits for the copy."""
+        gets them from `StepOutput.get_output`, which waits for the copy.
+
+        `grammar_bitmask` (steps that sample a request with structured outputs): called once the
+        forward is launched, it returns one bitmask row per `out.structured_output_request_ids`."""
         self.update_states(out)
         self._step += 1
         if out.empty:
@@ -170,19 +185,55 @@ class ModelRunner:
         self._feed_pending_tokens(rows, metadata.query_start_loc_cpu)
         with set_forward_context(metadata, mode, descriptor):
             hidden = self.model_forward(*self.inputs.model_args(padded_tokens))
+        prompt_logprobs: dict[str, PromptLogprobsTensors] = {}
+        if (batch.num_prompt_logprobs[rows] >= 0).any():
+            segments = self._prompt_segments(req_ids, rows, num_sched, metadata.query_start_loc_cpu)
+            prompt_logprobs = self.prompt_logprobs.compute(hidden, segments)
 
         # Only requests whose every known token is now computed sample a token.
         sample_idx = np.flatnonzero(seq_lens == batch.num_tokens[rows])
         if not len(sample_idx):
-            return StepOutput(self, self._step, req_ids)
+            return StepOutput(self, self._step, req_ids, prompt_logprobs=prompt_logprobs)
         logits_indices = torch.from_numpy(metadata.query_start_loc_cpu[1:][sample_idx] - 1).to(self.device)
         logits = self.model.compute_logits(hidden[logits_indices])
+        if grammar_bitmask is not None:
+            self._apply_grammar_bitmask(logits, grammar_bitmask(), out.structured_output_request_ids,
+                                        [req_ids[i] for i in sample_idx])
         sample_rows = rows[sample_idx]
         result = self.sampler(logits, batch.sampling.metadata(sample_rows, batch.num_output_tokens(sample_rows)))
         batch.sampling.record_sampled(sample_rows, result.sampled)
         positions = batch.add_sampled(sample_rows, self._step)
         self._last_sampled = result.sampled
-        return StepOutput(self, self._step, req_ids, sample_idx, sample_rows, positions, result)
+        return StepOutput(self, self._step, req_ids, sample_idx, sample_rows, positions, result, prompt_logprobs)
+
+    def _prompt_segments(
+        self, req_ids: list[str], rows: np.ndarray, num_sched: np.ndarray, query_start_loc: np.ndarray
+    ) -> list[PromptSegment]:
+        """The prompt positions of this step whose next token's logprob a request wants: a chunk
+        [start, start + n) predicts the prompt tokens start + 1 .. min(start + n, prompt length) - 1."""
+        batch = self.batch
+        segments = []
+        for i in np.flatnonzero(batch.num_prompt_logprobs[rows] >= 0).tolist():
+            row = int(rows[i])
+            start, num_prompt = int(batch.num_computed_tokens[row]), int(batch.num_prompt_tokens[row])
+            end = max(start, min(start + int(num_sched[i]), num_prompt - 1))
+            done = start + int(num_sched[i]) >= num_prompt
+            targets = batch.token_ids[row, start + 1 : end + 1].copy()
+            segments.append(PromptSegment(req_ids[i], int(query_start_loc[i]), targets,
+                                          int(batch.num_prompt_logprobs[row]), done))
+            if done:
+                batch.num_prompt_logprobs[row] = -1
+        return segments
+
+    def _apply_grammar_bitmask(
+        self, logits: torch.Tensor, bitmask: torch.Tensor, constrained: list[str], sampling_ids: list[str]
+    ) -> None:
+        """Bitmask row i constrains the logits row of request `constrained[i]`."""
+        where = {rid: i for i, rid in enumerate(sampling_ids)}
+        missing = [rid for rid in constrained if rid not in where]
+        assert not missing, f"constrained requests {missing} do not sample in this step"
+        apply_grammar_bitmask(logits, bitmask, [where[rid] for rid in constrained])
+        self.num_grammar_bitmasks += 1
 
     def _feed_pending_tokens(self, rows: np.ndarray, query_start_loc: np.ndarray) -> None:
         """Requests whose last token the previous step sampled and the host has not seen yet

@@ -1,4 +1,5 @@
-"""From logits to tokens: penalties, temperature, top-k / top-p / min-p, seeded sampling, logprobs.
+"""From logits to tokens: logit bias, penalties, temperature, top-k / top-p / min-p, seeded sampling,
+logprobs.
 
 Every transformation works on the whole batch at once; a knob nobody in the batch uses costs
 nothing (its tensor is None). Logprobs are those of the raw model output, as vLLM returns them.
@@ -50,6 +51,10 @@ class SamplingMetadata:
     # Tokens a row may not sample yet (EOS and stop tokens before min_tokens): pairs (row, id).
     banned_rows: torch.Tensor | None = None
     banned_token_ids: torch.Tensor | None = None
+    # logit_bias: a bias added to the logit of (row, token id) triples; None when nobody asks.
+    logit_bias_rows: torch.Tensor | None = None
+    logit_bias_token_ids: torch.Tensor | None = None
+    logit_bias_values: torch.Tensor | None = None
 
 
 @dataclass
@@ -64,6 +69,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if meta.max_num_logprobs is not None else None
+        if meta.logit_bias_rows is not None:
+            logits.index_put_((meta.logit_bias_rows, meta.logit_bias_token_ids), meta.logit_bias_values,
+                              accumulate=True)
         logits = self.apply_penalties(logits, meta)
         if meta.banned_rows is not None:
             logits[meta.banned_rows, meta.banned_token_ids] = float("-inf")

@@ -34,6 +34,10 @@ class SamplingState:
         self.num_logprobs = np.full(n, -1, dtype=np.int64)  # -1: no logprobs
         self.min_tokens = np.zeros(n, dtype=np.int64)
         self.banned_until_min_tokens: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * n
+        # logit_bias: each row's token ids and the biases added to their logits.
+        self.has_logit_bias = np.zeros(n, dtype=bool)
+        self.logit_bias_ids: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * n
+        self.logit_bias_values: list[np.ndarray] = [np.zeros(0, dtype=np.float32)] * n
         self.counts_tokens = np.zeros(n, dtype=bool)  # presence/frequency (counts) or repetition (seen)
         self.has_generator = np.zeros(n, dtype=bool)
         self.generators: dict[int, SeededRNG] = {}
@@ -59,6 +63,10 @@ class SamplingState:
         if not params.ignore_eos:
             banned += self.eos_token_ids.tolist()
         self.banned_until_min_tokens[row] = np.asarray(banned, dtype=np.int64)
+        self.has_logit_bias[row] = bool(params.logit_bias)
+        if params.logit_bias:
+            self.logit_bias_ids[row] = np.fromiter(params.logit_bias.keys(), dtype=np.int64)
+            self.logit_bias_values[row] = np.fromiter(params.logit_bias.values(), dtype=np.float32)
         self.counts_tokens[row] = bool(
             params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0
         )
@@ -94,6 +102,7 @@ class SamplingState:
             self._parked_generators.pop(req_id, None)
         self.has_generator[row] = False
         self.counts_tokens[row] = False
+        self.has_logit_bias[row] = False
         self.num_logprobs[row] = -1
 
     # ---- one step ---------------------------------------------------------------------------
@@ -130,6 +139,13 @@ class SamplingState:
         num_logprobs = int(self.num_logprobs[rows].max(initial=-1))
         meta.max_num_logprobs = None if num_logprobs < 0 else num_logprobs
         self._penalties(rows, meta)
+        biased = np.flatnonzero(self.has_logit_bias[rows])
+        if len(biased):
+            biased_rows = rows[biased].tolist()
+            ids = [self.logit_bias_ids[r] for r in biased_rows]
+            meta.logit_bias_rows = self._tensor(np.repeat(biased, [len(x) for x in ids]))
+            meta.logit_bias_token_ids = self._tensor(np.concatenate(ids))
+            meta.logit_bias_values = self._tensor(np.concatenate([self.logit_bias_values[r] for r in biased_rows]))
         banning = np.flatnonzero(num_output_tokens < self.min_tokens[rows])
         if len(banning):
             ids = [self.banned_until_min_tokens[int(rows[i])] for i in banning]

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from compiled_llm.messages.runner_output import LogprobsLists, ModelRunnerOutput
+from compiled_llm.worker.prompt_logprobs import PromptLogprobsTensors
 from compiled_llm.worker.sampler import SamplerOutput
 
 if TYPE_CHECKING:
@@ -36,6 +37,7 @@ class StepOutput:
         sample_rows: np.ndarray | None = None,
         positions: np.ndarray | None = None,
         result: SamplerOutput | None = None,
+        prompt_logprobs: dict[str, PromptLogprobsTensors] | None = None,
     ) -> None:
         self.runner = runner
         self.step = step
@@ -47,14 +49,19 @@ class StepOutput:
         self._host: list[torch.Tensor] = []
         # How many logprobs each sampling request wants, read now: its row may change hands later.
         self.num_logprobs = runner.batch.sampling.num_logprobs[sample_rows].copy() if sample_rows is not None else None
+        # Prompts completed in this step, for requests that asked for their logprobs.
+        self._prompt_logprobs = {
+            rid: PromptLogprobsTensors(_to_host(t.token_ids), _to_host(t.logprobs), _to_host(t.ranks))
+            for rid, t in (prompt_logprobs or {}).items()
+        }
         if result is not None:
             tensors = [result.sampled]
             if result.logprobs is not None:
                 tensors += [result.logprob_token_ids, result.logprobs, result.sampled_ranks]  # type: ignore[list-item]
             self._host = [_to_host(t) for t in tensors]
-            if result.sampled.device.type == "cuda":
-                self._done = torch.cuda.Event()
-                self._done.record()
+        if (self._host or self._prompt_logprobs) and runner.device.type == "cuda":
+            self._done = torch.cuda.Event()  # after every copy above
+            self._done.record()
         self._output: ModelRunnerOutput | None = None
 
     def get_output(self) -> ModelRunnerOutput:
@@ -64,9 +71,9 @@ class StepOutput:
             return self._output
         sampled_lists: list[list[int]] = [[] for _ in self.req_ids]
         logprobs: dict[str, LogprobsLists] = {}
+        if self._done is not None:
+            self._done.synchronize()
         if self._host:
-            if self._done is not None:
-                self._done.synchronize()
             assert self.sample_idx is not None and self.sample_rows is not None and self.positions is not None
             tokens = self._host[0].numpy()
             batch = self.runner.batch
@@ -79,7 +86,8 @@ class StepOutput:
                 sampled_lists[i] = [token]
             if len(self._host) > 1:
                 logprobs = self._logprobs_lists(ids)
-        self._output = ModelRunnerOutput(self.req_ids, sampled_lists, logprobs)
+        prompt_logprobs = {rid: tensors.to_lists() for rid, tensors in self._prompt_logprobs.items()}
+        self._output = ModelRunnerOutput(self.req_ids, sampled_lists, logprobs, prompt_logprobs)
         return self._output
 
     def _logprobs_lists(self, req_ids: list[str]) -> dict[str, LogprobsLists]:
