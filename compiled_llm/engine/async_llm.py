@@ -210,15 +210,19 @@ class AsyncLLM:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        add_special_tokens: bool = False,
         **template_kwargs: Any,
     ) -> tuple[str, list[int]]:
         """Render a conversation with the model's chat template (or `chat_template`) in a render
-        worker, within its deadline; returns (text, token ids). Raises `ChatTemplateError` (a
-        ValueError) when the template fails and ValueError when the text cannot fit."""
+        worker, within its deadline; returns (text, token ids). `template_kwargs` reach the
+        template (`tools`, `documents`, `continue_final_message`, ...). `add_special_tokens`: add
+        the tokenizer's own (BOS) on top of what the template wrote (off: templates write them).
+        Raises `ChatTemplateError` (a ValueError) when the template fails and ValueError when the
+        text cannot fit."""
         text = await self.chat_renderer.render(
             messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt, **template_kwargs
         )
-        return text, await self.tokenize(text, add_special_tokens=False)
+        return text, await self.tokenize(text, add_special_tokens=add_special_tokens)
 
     # ---- the output handler ------------------------------------------------------------------
     async def _handle_outputs(self) -> None:

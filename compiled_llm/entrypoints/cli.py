@@ -35,6 +35,12 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
                         "context, at least 8 MiB).")
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="Accept a `chat_template` sent with a request (it is code; off by default).")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='Answer tool_choice "auto" (the default when a request has tools) by parsing the '
+                        "model's text for tool calls, in the --tool-call-parser format.")
+    g.add_argument("--tool-call-parser", choices=["hermes", "xlam"], default=None,
+                   help="The format the model writes tool calls in: hermes (<tool_call>{...}</tool_call>; Hermes, "
+                        "Qwen) or xlam (a JSON array of calls; SmolLM2, xLAM).")
     g.add_argument("--engine-timeout", type=float, default=120.0,
                    help="Seconds without any engine output, while requests are open, after which the engine "
                         "counts as hung and the server exits (default: 120).")

@@ -45,6 +45,7 @@ from compiled_llm.entrypoints.openai.serving_chat import OpenAIServingChat
 from compiled_llm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from compiled_llm.entrypoints.openai.serving_engine import ServingOptions
 from compiled_llm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from compiled_llm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from compiled_llm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -163,10 +164,16 @@ def build_app(
     async def metrics() -> Response:
         return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    card = ModelCard(id=name, root=engine.model_config.model, max_model_len=engine.model_config.max_model_len)
+
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        card = ModelCard(id=name, root=engine.model_config.model, max_model_len=engine.model_config.max_model_len)
         return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str) -> JSONResponse:
+        completions.check_model(model)  # another name is a 404 in OpenAI's shape
+        return JSONResponse(card.model_dump())
 
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
@@ -236,13 +243,19 @@ def run_server(args: argparse.Namespace) -> int:
     """`compiled-llm serve`: 0 after a clean shutdown, 1 when the engine failed to start or died."""
     # Until uvicorn installs its own handlers, SIGTERM unwinds like Ctrl-C, so the engine is joined.
     signal.signal(signal.SIGTERM, _interrupt)
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        logger.error("--enable-auto-tool-choice needs --tool-call-parser (one of %s).", ", ".join(TOOL_PARSERS))
+        return 1
     try:
         engine = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args), args.engine_timeout)
     except (EngineStartupError, ValueError, OSError) as e:  # a bad model folder or setting, said plainly
         logger.error("%s", e)
         return 1
     try:
-        options = ServingOptions(max_n=args.max_n, trust_request_chat_template=args.trust_request_chat_template)
+        options = ServingOptions(
+            max_n=args.max_n, trust_request_chat_template=args.trust_request_chat_template,
+            enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+        )
         asyncio.run(serve_http(engine, args.host, args.port, args.api_key, options, args.max_request_body_bytes))
     except KeyboardInterrupt:
         pass  # the signal uvicorn re-raises after its graceful shutdown

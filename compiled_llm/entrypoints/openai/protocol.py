@@ -1,17 +1,19 @@
-"""Request and response bodies of the OpenAI API (pydantic), with vLLM's extra sampling fields.
+"""Request and response bodies of the OpenAI API (pydantic), with vLLM's extra fields.
 
-Unknown fields are ignored, as OpenAI's clients send some we have no use for (`user`, ...);
-fields we know but do not support are refused with a 400 rather than silently dropped.
+Nothing a client asks for is silently dropped. A request field is either implemented, or named in
+its class's `REFUSED` table (fields OpenAI or vLLM define that this server does not implement:
+asking for anything but their no-op value is a 400 naming them), or unknown to both APIs: then it
+is ignored and the server logs its name, as vLLM does (clients send some, such as `user`, that no
+server acts on).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
-from compiled_llm.sampling_params import RequestOutputKind, SamplingParams
 from compiled_llm.utils import random_uuid
 
 # Every integer a client sends must fit the int64 the engine stores it in: a bigger one would
@@ -20,6 +22,9 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 NonNegInt64 = Annotated[int, Field(ge=0, le=INT64_MAX)]
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+# A logprobs count: -1 is vLLM's "the whole vocabulary" (allowed up to --max-logprobs).
+LogprobsCount = Annotated[int, Field(ge=-1, le=INT64_MAX)]
+LOGIT_BIAS_LIMIT = 100.0
 
 
 def first_unencodable(value: Any, path: str = "") -> str | None:
@@ -46,7 +51,7 @@ def first_unencodable(value: Any, path: str = "") -> str | None:
 
 class OpenAIBaseModel(BaseModel):
     # Finite floats only: NaN and Infinity (which Python's JSON parser accepts) are no sampling knob.
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -55,6 +60,30 @@ class OpenAIBaseModel(BaseModel):
         if bad is not None:
             raise ValueError(f"{bad} holds a string that is not valid Unicode (a lone UTF-16 surrogate)")
         return data
+
+
+_NO_OP = (None, [], {}, "")
+
+
+class RequestModel(OpenAIBaseModel):
+    """A request body. Fields it does not declare are kept aside (`model_extra`) to be refused
+    (`REFUSED`) or logged as ignored."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, populate_by_name=True)
+    # field -> values that ask for nothing (besides null, [], {} and ""): accepted as a no-op.
+    REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = {}
+
+    def refused_field(self) -> str | None:
+        """The first field this server does not implement that the request sets to something."""
+        for name, value in (self.model_extra or {}).items():
+            if name in self.REFUSED and not any(value == v and type(value) is type(v) for v in _NO_OP) \
+                    and value not in self.REFUSED[name]:
+                return name
+        return None
+
+    def ignored_fields(self) -> list[str]:
+        """Fields unknown to OpenAI's and vLLM's APIs alike (logged, then ignored)."""
+        return sorted(name[:64] for name in (self.model_extra or {}) if name not in self.REFUSED)
 
 
 # ---- errors -----------------------------------------------------------------------------------
@@ -70,18 +99,74 @@ class ErrorResponse(OpenAIBaseModel):
 
 
 # ---- shared pieces ----------------------------------------------------------------------------
+class PromptTokensDetails(OpenAIBaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM's: usage in every chunk (with include_usage)
 
 
-class SamplingRequest(OpenAIBaseModel):
+class JsonSchemaFormat(OpenAIBaseModel):
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(OpenAIBaseModel):
+    """vLLM's `structured_outputs` object: exactly one of json, json_object, regex, choice, grammar."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = False  # JSON without free whitespace between its tokens
+    # vLLM's options this server has no use for (one grammar engine, no fallback) or does not implement.
+    disable_fallback: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: Any = None
+
+
+def _logit_bias_keys(value: dict[str, float] | None) -> dict[str, float] | None:
+    for key, bias in (value or {}).items():
+        if not key.strip().isdigit():
+            raise ValueError(f"keys must be token ids (integers, as strings), got {key!r}")
+        if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+            raise ValueError(f"values must be in [-100, 100], got {bias} for token {key}")
+    return value
+
+
+class SamplingRequest(RequestModel):
     """The fields completions and chat share: OpenAI's sampling knobs and vLLM's extras."""
+
+    REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = {
+        # OpenAI's
+        "store": (False,), "service_tier": ("auto", "default"), "prediction": (), "audio": (),
+        "modalities": (["text"],), "web_search_options": (), "verbosity": (), "reasoning_effort": (),
+        # vLLM's
+        "use_beam_search": (False,), "length_penalty": (1, 1.0), "early_stopping": (False,),
+        "watermarking": (False,), "allowed_token_ids": (), "bad_words": (), "logprob_token_ids": (),
+        "cache_salt": (), "kv_transfer_params": (), "ec_transfer_params": (), "vllm_xargs": (),
+        "repetition_detection": (), "thinking_token_budget": (-1,), "stream_interval": (1,),
+        "routed_experts_prompt_start": (0,), "return_token_offsets": (False,), "return_mm_kwargs": (True,),
+        "mm_processor_kwargs": (), "media_io_kwargs": (), "prompt_embeds": (),
+    }
 
     model: str | None = None
     n: NonNegInt64 | None = 1
@@ -94,6 +179,11 @@ class SamplingRequest(OpenAIBaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
+    # OpenAI's identifiers of the end user or of the request's cache key: no server acts on them.
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     # vLLM's extras
     top_k: Int64 | None = None
     min_p: float | None = None
@@ -105,58 +195,80 @@ class SamplingRequest(OpenAIBaseModel):
     spaces_between_special_tokens: bool = True
     stop_token_ids: list[TokenId] | None = None
     priority: Int64 = 0  # lower first, under --scheduling-policy priority
+    prompt_logprobs: LogprobsCount | None = None
+    truncate_prompt_tokens: LogprobsCount | None = None  # keep the last k prompt tokens; -1: max_model_len
+    truncation_side: Literal["left", "right"] | None = None  # left (default): keep the last k; right: the first
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    request_id: str | None = Field(default=None, max_length=256)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    # vLLM's older spellings of structured_outputs
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+
+    _check_logit_bias = field_validator("logit_bias")(classmethod(lambda cls, v: _logit_bias_keys(v)))
 
     def unsupported(self) -> str | None:
-        """A field we refuse, with why; None when the request is fine."""
-        if self.logit_bias:
-            return "logit_bias is not supported."
+        """A combination of fields we refuse, with why; None when the request is fine."""
         if self.stream_options is not None and not self.stream:
             return "stream_options can only be set when stream is true."
+        if self.prompt_logprobs is not None and self.stream and self.prompt_logprobs != 0:
+            return "prompt_logprobs are not available when stream is true."
+        if self.truncate_prompt_tokens == 0:
+            return "truncate_prompt_tokens must be -1 (the model's context) or at least 1."
         return None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, stream: bool) -> SamplingParams:
-        """Raises ValueError (-> 400) for out-of-range values."""
-        return SamplingParams(
-            n=1 if self.n is None else self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
-            presence_penalty=self.presence_penalty or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            seed=self.seed,
-            stop=self.stop,
-            stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos,
-            max_tokens=max_tokens,
-            min_tokens=self.min_tokens,
-            logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens,
-            spaces_between_special_tokens=self.spaces_between_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output,
-            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
-        )
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        return {int(k): float(v) for k, v in self.logit_bias.items()} if self.logit_bias else None
+
+    @property
+    def usage_in_stream(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def usage_in_every_chunk(self) -> bool:
+        return self.usage_in_stream and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 # ---- /v1/completions --------------------------------------------------------------------------
 class CompletionRequest(SamplingRequest):
     prompt: Union[str, list[str], list[TokenId], list[list[TokenId]]]
     max_tokens: Int64 | None = 16
-    logprobs: NonNegInt64 | None = None
+    logprobs: LogprobsCount | None = None
     echo: bool | None = False
     suffix: str | None = None
     best_of: NonNegInt64 | None = None
     add_special_tokens: bool = True  # vLLM's extra
 
     def unsupported(self) -> str | None:
-        if self.echo:
-            return "echo is not supported."
         if self.suffix:
             return "suffix is not supported."
         if self.best_of is not None and self.best_of != (self.n or 1):
             return "best_of other than n is not supported."
         return super().unsupported()
+
+    @property
+    def echo_without_generation(self) -> bool:
+        """OpenAI's echo with `max_tokens: 0`: the prompt back (with its logprobs), nothing new."""
+        return bool(self.echo) and self.max_tokens == 0
+
+
+class LogprobInfo(OpenAIBaseModel):
+    """vLLM's per-token `Logprob` in `prompt_logprobs`."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One per prompt token: None for the first, else token id (as a string) -> its logprob, the prompt's
+# token first and then the top candidates.
+PromptLogprobsOut = list[dict[str, LogprobInfo] | None]
 
 
 class CompletionLogProbs(OpenAIBaseModel):
@@ -172,6 +284,9 @@ class CompletionResponseChoice(OpenAIBaseModel):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids
+    prompt_token_ids: list[int] | None = None  # return_token_ids (the first chunk of a stream)
+    prompt_logprobs: PromptLogprobsOut | None = None
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -185,35 +300,71 @@ class CompletionResponse(OpenAIBaseModel):
 
 # ---- /v1/chat/completions ---------------------------------------------------------------------
 class ChatMessage(OpenAIBaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ... reach the chat template
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id, tool_calls, ... reach the chat template
 
     role: str
     content: str | list[dict[str, Any]] | None = None
 
 
+class FunctionDefinition(OpenAIBaseModel):
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolParam(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
 class ChatCompletionRequest(SamplingRequest):
+    REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = {
+        **SamplingRequest.REFUSED, "include_reasoning": (True, False),
+    }
+
     messages: list[ChatMessage]
     max_tokens: Int64 | None = None
     max_completion_tokens: Int64 | None = None
     logprobs: bool | None = False
-    top_logprobs: NonNegInt64 | None = None
-    tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    top_logprobs: LogprobsCount | None = None
+    tools: list[ToolParam] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # "none", "auto", "required" or a named function
+    parallel_tool_calls: bool | None = True
+    # OpenAI's deprecated spelling of tools and tool_choice
+    functions: list[FunctionDefinition] | None = None
+    function_call: str | dict[str, Any] | None = None
     # vLLM's extras
+    echo: bool = False  # the reply starts with the last message's content when that is the assistant's
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    documents: list[dict[str, str]] | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    return_prompt_text: bool | None = None
 
     def unsupported(self) -> str | None:
         if not self.messages:
             return "messages must hold at least one message."
-        if self.tools:
-            return "tools (function calling) are not supported."
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            return "response_format other than text is not supported."
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:
             return "top_logprobs needs logprobs to be true."
+        if self.continue_final_message and self.add_generation_prompt:
+            if "add_generation_prompt" in self.model_fields_set:
+                return "Cannot set both `continue_final_message` and `add_generation_prompt` to true."
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            return ("continue_final_message continues the last message, which must be the assistant's, "
+                    f"got a {self.messages[-1].role!r} message.")
+        if self.tools is not None and not self.tools:
+            return "`tools` must not be an empty array: give at least one tool or leave it out."
+        if self.tools and self.functions:
+            return "Give `tools` or the older `functions`, not both."
         return super().unsupported()
+
+    @property
+    def generation_prompt(self) -> bool:
+        """add_generation_prompt, which continue_final_message turns off unless given."""
+        return self.add_generation_prompt and not self.continue_final_message
 
 
 class ChatLogProbsTop(OpenAIBaseModel):
@@ -230,9 +381,31 @@ class ChatLogProbs(OpenAIBaseModel):
     content: list[ChatLogProbsContent] | None = None
 
 
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+    function_call: FunctionCall | None = None  # the older functions API's single call
+
+    @model_serializer(mode="wrap")
+    def _leave_out_empty(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if not data.get("tool_calls"):
+            data.pop("tool_calls", None)
+        if data.get("function_call") is None:
+            data.pop("function_call", None)
+        return data
 
 
 class ChatCompletionResponseChoice(OpenAIBaseModel):
@@ -241,6 +414,7 @@ class ChatCompletionResponseChoice(OpenAIBaseModel):
     logprobs: ChatLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids
 
 
 class ChatCompletionResponse(OpenAIBaseModel):
@@ -250,11 +424,44 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobsOut | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids
+    prompt_text: str | None = None  # return_prompt_text
+
+
+class DeltaFunctionCall(OpenAIBaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _leave_out_none(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+    @model_serializer(mode="wrap")
+    def _leave_out_none(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+    function_call: DeltaFunctionCall | None = None
+
+    @model_serializer(mode="wrap")
+    def _leave_out_empty(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        for name in ("tool_calls", "function_call"):
+            if data.get(name) is None:
+                data.pop(name, None)
+        return data
 
 
 class ChatCompletionStreamChoice(OpenAIBaseModel):
@@ -263,6 +470,7 @@ class ChatCompletionStreamChoice(OpenAIBaseModel):
     logprobs: ChatLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids
 
 
 class ChatCompletionChunk(OpenAIBaseModel):
@@ -272,6 +480,8 @@ class ChatCompletionChunk(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids, in the first chunk
+    prompt_text: str | None = None  # return_prompt_text, in the first chunk
 
 
 # ---- models, tokenizer ------------------------------------------------------------------------
@@ -290,23 +500,32 @@ class ModelList(OpenAIBaseModel):
     data: list[ModelCard]
 
 
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(RequestModel):
     """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
+
+    REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = {"mm_processor_kwargs": (), "return_token_offsets": (False,)}
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (the template adds them)
+    return_token_strs: bool | None = False
+    # chat form only
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[ToolParam] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeResponse(OpenAIBaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[TokenId]
 

@@ -1,8 +1,11 @@
-"""POST /v1/chat/completions: the conversation is rendered with the model's chat template."""
+"""POST /v1/chat/completions: the conversation is rendered with the model's chat template (with
+the request's tools), and the reply may come back as tool calls (see `chat_tools.py`)."""
 
 from __future__ import annotations
 
+import json
 import time
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from fastapi import Request
@@ -10,19 +13,22 @@ from fastapi.responses import Response
 
 from compiled_llm.engine.async_llm import RequestStream
 from compiled_llm.engine.chat_templates import ChatTemplateError
+from compiled_llm.entrypoints.openai.chat_tools import ToolPlan, plan_tools
 from compiled_llm.entrypoints.openai.errors import OpenAIError
+from compiled_llm.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs_out
 from compiled_llm.entrypoints.openai.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
     ChatCompletionStreamChoice,
-    ChatLogProbs,
-    ChatLogProbsContent,
-    ChatLogProbsTop,
     ChatMessage,
     ChatResponseMessage,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
     UsageInfo,
 )
 from compiled_llm.entrypoints.openai.serving_engine import (
@@ -31,34 +37,19 @@ from compiled_llm.entrypoints.openai.serving_engine import (
     final_output,
     json_response,
     sse,
-    usage_counts,
+    usage_info,
 )
+from compiled_llm.entrypoints.openai.structured_outputs import requested_structured_outputs
+from compiled_llm.entrypoints.openai.tool_parsers import ToolCallDelta
+from compiled_llm.entrypoints.openai.tool_parsers.streaming import make_tool_call_id
 from compiled_llm.logger import init_logger
-from compiled_llm.outputs import CompletionOutput
-from compiled_llm.utils import random_uuid
+from compiled_llm.outputs import CompletionOutput, Logprob
 
 logger = init_logger(__name__)
 
 
-def chat_logprobs(output: CompletionOutput, num_top: int) -> ChatLogProbs:
-    content = []
-    for token_id, entry in zip(output.token_ids, output.logprobs or []):
-        sampled = entry[token_id]
-        token = sampled.decoded_token or ""
-        top = [
-            ChatLogProbsTop(token=lp.decoded_token or "", logprob=max(lp.logprob, -9999.0),
-                            bytes=list((lp.decoded_token or "").encode()))
-            for lp in sorted(entry.values(), key=lambda lp: lp.rank or 0)
-            if lp.rank is not None and lp.rank <= num_top
-        ]
-        content.append(ChatLogProbsContent(
-            token=token, logprob=max(sampled.logprob, -9999.0), bytes=list(token.encode()), top_logprobs=top
-        ))
-    return ChatLogProbs(content=content)
-
-
-def message_dict(message: ChatMessage) -> dict[str, Any]:
-    """A message as the chat template expects it; content parts are joined (text only)."""
+def message_text(message: ChatMessage) -> str:
+    """A message's text; content parts are joined (text parts only)."""
     content = message.content
     if isinstance(content, list):
         texts = []
@@ -68,13 +59,50 @@ def message_dict(message: ChatMessage) -> dict[str, Any]:
                                   param="messages")
             texts.append(part["text"])
         content = "\n".join(texts)
-    return {**(message.model_extra or {}), "role": message.role, "content": content or ""}
+    return content or ""
+
+
+def _arguments_as_object(tool_calls: Any) -> Any:
+    """Assistant tool calls with their JSON-text arguments parsed: chat templates (Qwen's, Llama's)
+    write `arguments | tojson` and expect an object, as vLLM gives them."""
+    if not isinstance(tool_calls, list):
+        return tool_calls
+    result = []
+    for call in tool_calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            try:
+                function = {**function, "arguments": json.loads(function["arguments"])}
+            except ValueError:
+                pass
+            call = {**call, "function": function}
+        result.append(call)
+    return result
+
+
+def message_dict(message: ChatMessage) -> dict[str, Any]:
+    """A message as the chat template expects it."""
+    extra = dict(message.model_extra or {})
+    if "tool_calls" in extra:
+        extra["tool_calls"] = _arguments_as_object(extra["tool_calls"])
+    return {**extra, "role": message.role, "content": message_text(message)}
+
+
+@dataclass
+class _ChoiceStream:
+    """One choice of a streamed reply: its text so far, its tool-call streamer, and the tokens not
+    yet sent (their text may be held back while it could still open a tool call)."""
+
+    streamer: Any = None
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
 
 
 class OpenAIServingChat(OpenAIServing):
     async def render(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool, chat_template: str | None = None,
-        template_kwargs: dict[str, Any] | None = None,
+        template_kwargs: dict[str, Any] | None = None, add_special_tokens: bool = False,
     ) -> tuple[str, list[int]]:
         """The conversation rendered and tokenized; a 400 for a template that fails or a text too long."""
         template_kwargs = dict(template_kwargs or {})
@@ -85,72 +113,179 @@ class OpenAIServingChat(OpenAIServing):
                 "allow them with --trust-request-chat-template.", param="chat_template",
             )
         template_kwargs.pop("tokenize", None)
+        if template_kwargs.get("continue_final_message"):
+            add_generation_prompt = False
         try:
             return await self.engine.apply_chat_template(
-                messages, add_generation_prompt, chat_template, **template_kwargs
+                messages, add_generation_prompt, chat_template, add_special_tokens=add_special_tokens,
+                **template_kwargs,
             )
         except ChatTemplateError as e:  # the template rejected the conversation (roles, missing template, ...)
             raise OpenAIError(f"Could not apply the chat template: {e}", param="messages") from e
         except ValueError as e:  # rendered, but too long to fit
             raise OpenAIError(str(e), param="messages") from e
 
+    @staticmethod
+    def template_kwargs(request: ChatCompletionRequest, tools: list[dict[str, Any]] | None) -> dict[str, Any]:
+        kwargs = dict(request.chat_template_kwargs or {})
+        if tools:
+            kwargs["tools"] = tools
+        if request.documents:
+            kwargs["documents"] = request.documents
+        if request.continue_final_message:
+            kwargs["continue_final_message"] = True
+        return kwargs
+
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         self.check_request(request)
+        tools = plan_tools(request, self.options.enable_auto_tool_choice, self.options.tool_call_parser)
+        structured = requested_structured_outputs(request)
+        if structured is not None and tools.constrains_output:
+            raise OpenAIError("You can only either use constraints for structured outputs or tools, not both: "
+                              f"tool_choice {tools.mode} constrains the output already.", param="tool_choice")
+        structured = structured or tools.structured_outputs()
         messages = [message_dict(m) for m in request.messages]
-        text, ids = await self.render(messages, request.add_generation_prompt, request.chat_template,
-                                      request.chat_template_kwargs)
+        text, ids = await self.render(messages, request.generation_prompt, request.chat_template,
+                                      self.template_kwargs(request, tools.template_tools), request.add_special_tokens)
+        cut = self.truncate(ids, request)
+        if len(cut) != len(ids):
+            ids, text = cut, await self.engine.detokenize(cut)
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         self.check_length(len(ids), max_tokens)
-        num_top = request.top_logprobs or 0
-        params = self.sampling_params(request, max_tokens, num_top if request.logprobs else None)
-        request_id = f"chatcmpl-{random_uuid()}"
+        num_top = self.logprobs_count(request.top_logprobs or 0, "top_logprobs") if request.logprobs else None
+        prompt_logprobs = self.logprobs_count(request.prompt_logprobs, "prompt_logprobs", "prompt")
+        params = self.sampling_params(request, max_tokens, num_top, prompt_logprobs, structured)
+        request_id = f"chatcmpl-{self.base_request_id(request)}"
         stream = await self.add_request(request_id, {"prompt": text, "prompt_token_ids": ids}, params, request.priority)
+        echo = message_text(request.messages[-1]) if request.echo and request.messages[-1].role == "assistant" else ""
+        reply = _Reply(request, request_id, tools, ids, text, num_top or 0, echo)
         if request.stream:
-            return event_stream(self._events(request, request_id, stream, len(ids)), [request_id], self.engine)
-        return await json_response(raw_request, self._respond(request, request_id, stream, len(ids)), [request_id],
-                                   self.engine)
+            return event_stream(self._events(reply, stream), [request_id], self.engine)
+        return await json_response(raw_request, self._respond(reply, stream), [request_id], self.engine)
 
-    async def _respond(
-        self, request: ChatCompletionRequest, request_id: str, stream: RequestStream, prompt_len: int
-    ) -> ChatCompletionResponse:
+    async def _respond(self, reply: _Reply, stream: RequestStream) -> ChatCompletionResponse:
+        request = reply.request
         out = await final_output(stream)
-        choices = [
-            ChatCompletionResponseChoice(
-                index=c.index,
-                message=ChatResponseMessage(content=c.text),
-                logprobs=chat_logprobs(c, request.top_logprobs or 0) if request.logprobs else None,
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
-            )
-            for c in out.outputs
-        ]
+        choices = []
+        for c in out.outputs:
+            message = ChatResponseMessage(content=c.text)
+            called = False
+            extracted = reply.tools.extract(c.text)
+            if extracted is not None and extracted.calls:
+                called = True
+                message.content = extracted.content
+                if reply.tools.legacy:
+                    first = extracted.calls[0]
+                    message.function_call = FunctionCall(name=first.name, arguments=first.arguments)
+                else:
+                    message.tool_calls = [
+                        ToolCall(id=make_tool_call_id(), function=FunctionCall(name=f.name, arguments=f.arguments))
+                        for f in extracted.calls
+                    ]
+            if reply.echo:
+                message.content = reply.echo + (message.content or "")
+            choices.append(ChatCompletionResponseChoice(
+                index=c.index, message=message,
+                logprobs=chat_logprobs(c, reply.num_top, bool(request.return_tokens_as_token_ids))
+                if request.logprobs else None,
+                finish_reason=reply.tools.finish_reason(c.finish_reason, called), stop_reason=c.stop_reason,
+                token_ids=list(c.token_ids) if request.return_token_ids else None,
+            ))
         completion_tokens = sum(len(c.token_ids) for c in out.outputs)
         return ChatCompletionResponse(
-            id=request_id, model=self.served_model_name, choices=choices,
-            usage=UsageInfo(**usage_counts([prompt_len], completion_tokens)),
+            id=reply.request_id, model=self.served_model_name, choices=choices,
+            usage=usage_info(len(reply.prompt_token_ids), completion_tokens, out.num_cached_tokens),
+            prompt_logprobs=prompt_logprobs_out(out.prompt_logprobs) if request.prompt_logprobs is not None else None,
+            prompt_token_ids=reply.prompt_token_ids if request.return_token_ids else None,
+            prompt_text=reply.prompt_text if request.return_prompt_text else None,
         )
 
-    async def _events(
-        self, request: ChatCompletionRequest, request_id: str, stream: RequestStream, prompt_len: int
-    ) -> AsyncIterator[str]:
+    async def _events(self, reply: _Reply, stream: RequestStream) -> AsyncIterator[str]:
+        request = reply.request
         created = int(time.time())
+        completion_tokens = cached = 0
 
-        def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
-            return sse(ChatCompletionChunk(id=request_id, created=created, model=self.served_model_name,
-                                           choices=choices, usage=usage))
+        def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None,
+                  first: bool = False) -> str:
+            return sse(ChatCompletionChunk(
+                id=reply.request_id, created=created, model=self.served_model_name, choices=choices, usage=usage,
+                prompt_token_ids=reply.prompt_token_ids if first and request.return_token_ids else None,
+                prompt_text=reply.prompt_text if first and request.return_prompt_text else None,
+            ))
 
-        completion_tokens = 0
-        for index in range(request.n or 1):
-            yield chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
+        def usage_now() -> UsageInfo | None:
+            if not request.usage_in_every_chunk:
+                return None
+            return usage_info(len(reply.prompt_token_ids), completion_tokens, cached)
+
+        choices = {index: _ChoiceStream(reply.tools.new_streamer()) for index in range(request.n or 1)}
+        for index in choices:
+            yield chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))],
+                        usage_now(), first=index == 0)
+            if reply.echo:
+                yield chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(content=reply.echo))],
+                            usage_now())
         async for out in stream:
+            cached = out.num_cached_tokens
             for c in out.outputs:
                 if not c.text and not c.token_ids and c.finish_reason is None:
                     continue
                 completion_tokens += len(c.token_ids)
-                logprobs = chat_logprobs(c, request.top_logprobs or 0) if request.logprobs else None
+                state = choices[c.index]
+                state.text += c.text
+                state.token_ids.extend(c.token_ids)
+                state.logprobs.extend(c.logprobs or [])
+                delta = self._delta(reply, state, c)
+                if delta is None:
+                    continue  # held back: it may still turn out to be a tool call
+                logprobs = None
+                if request.logprobs:
+                    pending = CompletionOutput(c.index, "", state.token_ids, logprobs=state.logprobs)
+                    logprobs = chat_logprobs(pending, reply.num_top, bool(request.return_tokens_as_token_ids))
+                called = state.streamer is not None and state.streamer.called
                 yield chunk([ChatCompletionStreamChoice(
-                    index=c.index, delta=DeltaMessage(content=c.text), logprobs=logprobs,
-                    finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                )])
-        if request.stream_options and request.stream_options.include_usage:
-            yield chunk([], UsageInfo(**usage_counts([prompt_len], completion_tokens)))
+                    index=c.index, delta=delta, logprobs=logprobs,
+                    finish_reason=reply.tools.finish_reason(c.finish_reason, called), stop_reason=c.stop_reason,
+                    token_ids=state.token_ids if request.return_token_ids else None,
+                )], usage_now())
+                state.token_ids, state.logprobs = [], []
+        if request.usage_in_stream:
+            yield chunk([], usage_info(len(reply.prompt_token_ids), completion_tokens, cached))
+
+    @staticmethod
+    def _delta(reply: _Reply, state: _ChoiceStream, c: CompletionOutput) -> DeltaMessage | None:
+        """What this output adds to the choice's message, or None if nothing is ready to send."""
+        finished = c.finish_reason is not None
+        if state.streamer is None:
+            return DeltaMessage(content=c.text)
+        content, calls = state.streamer.update(state.text, finished)
+        if not content and not calls and not finished:
+            return None
+        delta = DeltaMessage(content=content or None)
+        if calls and reply.tools.legacy:
+            first = [d for d in calls if d.index == 0]
+            if first:
+                delta.function_call = DeltaFunctionCall(name=first[0].name, arguments=first[0].arguments)
+        elif calls:
+            delta.tool_calls = [_delta_tool_call(d) for d in calls]
+        return delta
+
+
+def _delta_tool_call(d: ToolCallDelta) -> DeltaToolCall:
+    if d.id is not None:  # a call's first delta: OpenAI's shape names it
+        return DeltaToolCall(index=d.index, id=d.id, type="function",
+                             function=DeltaFunctionCall(name=d.name, arguments=d.arguments))
+    return DeltaToolCall(index=d.index, function=DeltaFunctionCall(arguments=d.arguments))
+
+
+@dataclass
+class _Reply:
+    """What the response of one chat request needs to know."""
+
+    request: ChatCompletionRequest
+    request_id: str
+    tools: ToolPlan
+    prompt_token_ids: list[int]
+    prompt_text: str
+    num_top: int
+    echo: str  # the assistant message it continues, repeated in front of the reply (vLLM's echo)

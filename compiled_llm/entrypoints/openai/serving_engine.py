@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, TypeVar
+from typing import AsyncIterator, Awaitable, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -15,11 +15,13 @@ from pydantic import BaseModel
 from compiled_llm.engine.async_llm import AsyncLLM, RequestStream
 from compiled_llm.engine.core_client import EngineDeadError
 from compiled_llm.engine.processor import PromptType
+from compiled_llm.engine.tokenizer import TokenTexts
 from compiled_llm.entrypoints.openai.errors import OpenAIError, engine_dead_message, error_body
-from compiled_llm.entrypoints.openai.protocol import SamplingRequest
+from compiled_llm.entrypoints.openai.protocol import PromptTokensDetails, RequestModel, SamplingRequest, UsageInfo
 from compiled_llm.logger import init_logger
 from compiled_llm.outputs import RequestOutput
-from compiled_llm.sampling_params import SamplingParams
+from compiled_llm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from compiled_llm.utils import random_uuid
 
 T = TypeVar("T")
 logger = init_logger(__name__)
@@ -48,6 +50,8 @@ class ServingOptions:
 
     max_n: int = 128  # parallel samples (n, best_of) of one request, as OpenAI caps them
     trust_request_chat_template: bool = False  # a request's own `chat_template` is code (Jinja)
+    enable_auto_tool_choice: bool = False  # tool_choice "auto": parse the model's text for calls
+    tool_call_parser: str | None = None  # which format that text is in (tool_parsers.TOOL_PARSERS)
 
 
 class OpenAIServing:
@@ -56,6 +60,7 @@ class OpenAIServing:
         self.served_model_name = served_model_name
         self.options = options or ServingOptions()
         self.max_model_len = engine.model_config.max_model_len
+        self.token_text = TokenTexts(engine.tokenizer)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
@@ -64,8 +69,19 @@ class OpenAIServing:
                 404, "model", "model_not_found",
             )
 
+    def check_fields(self, request: RequestModel, model: str | None) -> None:
+        """The model is this server's, no field it does not implement is set, and the fields no
+        API defines are logged (then ignored, as vLLM does)."""
+        self.check_model(model)
+        refused = request.refused_field()
+        if refused is not None:
+            raise OpenAIError(f"`{refused}` is not supported by this server.", param=refused)
+        ignored = request.ignored_fields()
+        if ignored:
+            logger.warning("The following fields were present in the request but ignored: %s", ignored[:20])
+
     def check_request(self, request: SamplingRequest) -> None:
-        self.check_model(request.model)
+        self.check_fields(request, request.model)
         problem = request.unsupported()
         if problem is not None:
             raise OpenAIError(problem)
@@ -75,6 +91,35 @@ class OpenAIServing:
                 raise OpenAIError(
                     f"{name} must be at most {self.options.max_n} (the server's --max-n), got {value}.", param=name
                 )
+        bad = [t for t in (request.logit_bias_ids() or {}) if t >= self.engine.processor.vocab_size]
+        if bad:
+            raise OpenAIError(f"logit_bias names token {bad[0]}, outside the vocabulary (size "
+                              f"{self.engine.processor.vocab_size}).", param="logit_bias")
+
+    def logprobs_count(self, value: int | None, param: str, kind: str = "sample") -> int | None:
+        """A request's logprobs count, -1 read as the whole vocabulary (vLLM's meaning), within the
+        server's --max-logprobs (-1 there: no limit but the vocabulary)."""
+        if value is None:
+            return None
+        vocab = self.engine.processor.vocab_size
+        limit = self.engine.model_config.max_logprobs
+        limit = vocab if limit == -1 else limit
+        count = vocab if value == -1 else value
+        if count > limit:
+            raise OpenAIError(f"Requested {kind} logprobs of {count}, which is greater than max allowed: {limit} "
+                              "(the server's --max-logprobs).", param=param)
+        return count
+
+    def truncate(self, ids: list[int], request: SamplingRequest) -> list[int]:
+        """`truncate_prompt_tokens`: the last k tokens (the first k with truncation_side right)."""
+        k = request.truncate_prompt_tokens
+        if k is None:
+            return ids
+        k = self.max_model_len if k == -1 else k
+        if k > self.max_model_len:
+            raise OpenAIError(f"truncate_prompt_tokens ({k}) is greater than max_model_len ({self.max_model_len}): "
+                              "choose a smaller truncation size.", param="truncate_prompt_tokens")
+        return ids[:k] if request.truncation_side == "right" else ids[-k:]
 
     async def tokenize(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
         try:
@@ -96,11 +141,46 @@ class OpenAIServing:
             )
 
     @staticmethod
-    def sampling_params(request: SamplingRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        request: SamplingRequest,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        structured_outputs: StructuredOutputsParams | None = None,
+    ) -> SamplingParams:
+        """The engine's params for `request` (a 400 for out-of-range values)."""
         try:
-            return request.sampling_params(max_tokens, logprobs, bool(request.stream))
+            return SamplingParams(
+                n=1 if request.n is None else request.n,
+                temperature=1.0 if request.temperature is None else request.temperature,
+                top_p=1.0 if request.top_p is None else request.top_p,
+                top_k=0 if request.top_k is None else request.top_k,
+                min_p=0.0 if request.min_p is None else request.min_p,
+                presence_penalty=request.presence_penalty or 0.0,
+                frequency_penalty=request.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+                seed=request.seed,
+                stop=request.stop,
+                stop_token_ids=request.stop_token_ids,
+                ignore_eos=request.ignore_eos,
+                max_tokens=max_tokens,
+                min_tokens=request.min_tokens,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                logit_bias=request.logit_bias_ids(),
+                structured_outputs=structured_outputs,
+                skip_special_tokens=request.skip_special_tokens,
+                spaces_between_special_tokens=request.spaces_between_special_tokens,
+                include_stop_str_in_output=request.include_stop_str_in_output,
+                output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
+            )
         except ValueError as e:
             raise OpenAIError(str(e)) from e
+
+    @staticmethod
+    def base_request_id(request: SamplingRequest) -> str:
+        """vLLM's: the client's `request_id` if it gave one, else a fresh one."""
+        return request.request_id or random_uuid()
 
     async def add_request(
         self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
@@ -219,7 +299,7 @@ async def unless_disconnected(raw_request: Request, work: Awaitable[T]) -> T | N
     return None
 
 
-def usage_counts(prompt_token_counts: list[int], completion_tokens: int) -> dict[str, Any]:
-    prompt_tokens = sum(prompt_token_counts)
-    return dict(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                total_tokens=prompt_tokens + completion_tokens)
+def usage_info(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> UsageInfo:
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))

@@ -1,5 +1,6 @@
 """POST /tokenize and /detokenize (vLLM's routes): the server's tokenizer, for clients that
-count or cut tokens themselves."""
+count or cut tokens themselves. /tokenize takes a prompt, or chat messages with the chat
+options of /v1/chat/completions (tools, generation prompt or continued final message)."""
 
 from __future__ import annotations
 
@@ -15,17 +16,28 @@ from compiled_llm.entrypoints.openai.serving_chat import OpenAIServingChat, mess
 
 class OpenAIServingTokenization(OpenAIServingChat):
     async def tokenize_request(self, request: TokenizeRequest) -> TokenizeResponse:
-        self.check_model(request.model)
+        self.check_fields(request, request.model)
         if (request.prompt is None) == (request.messages is None):
             raise OpenAIError("Give either prompt or messages.")
         if request.messages is not None:
-            _, ids = await self.render([message_dict(m) for m in request.messages], request.add_generation_prompt)
+            if request.continue_final_message and request.add_generation_prompt \
+                    and "add_generation_prompt" in request.model_fields_set:
+                raise OpenAIError("Cannot set both `continue_final_message` and `add_generation_prompt` to true.")
+            kwargs = dict(request.chat_template_kwargs or {})
+            if request.tools:
+                kwargs["tools"] = [t.model_dump(exclude_none=True) for t in request.tools]
+            if request.continue_final_message:
+                kwargs["continue_final_message"] = True
+            _, ids = await self.render([message_dict(m) for m in request.messages], request.add_generation_prompt,
+                                       request.chat_template, kwargs, bool(request.add_special_tokens))
         else:
-            ids = await self.tokenize(request.prompt or "", request.add_special_tokens)
-        return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids)
+            add_special_tokens = True if request.add_special_tokens is None else request.add_special_tokens
+            ids = await self.tokenize(request.prompt or "", add_special_tokens)
+        strs = self.engine.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs)
 
     async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
-        self.check_model(request.model)
+        self.check_fields(request, request.model)
         vocab = self.engine.processor.vocab_size
         bad = [t for t in request.tokens if not 0 <= t < vocab]
         if bad:
