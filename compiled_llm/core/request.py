@@ -56,6 +56,7 @@ class Request:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 until admitted
+        self.first_scheduled_time: float | None = None  # wall time of first admission, until reported
         self.num_preemptions = 0
         # Asynchronous scheduling: tokens sampled by steps still in flight, whose ids the host
         # does not know yet (the next step computes them from the device's copy).

@@ -20,6 +20,8 @@ whatever a step already in flight computed for it is dropped.
 
 from __future__ import annotations
 
+import time
+
 from compiled_llm.config import CacheConfig, SchedulerConfig
 from compiled_llm.core.kv_cache_manager import KVCacheManager
 from compiled_llm.core.request import Request, RequestStatus
@@ -155,6 +157,7 @@ class Scheduler:
                 self.kv.record_prefix_lookup(request, num_hit)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
+                request.first_scheduled_time = time.time()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             num_scheduled[request.request_id] = num_new
@@ -254,7 +257,9 @@ class Scheduler:
                 runner_output.logprobs.get(rid) if new_tokens else None,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
                 new_prompt_logprobs=runner_output.prompt_logprobs.get(rid),
+                scheduled_time=request.first_scheduled_time or 0.0,
             )
+            request.first_scheduled_time = None  # sent once, with the first output
             if request.status.finished:
                 out.finish_reason = request.status.finish_reason
                 out.stop_reason = request.stop_reason

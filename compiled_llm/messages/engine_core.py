@@ -30,6 +30,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0
     # Once, with the request's first token: the logprobs of its prompt tokens after the first.
     new_prompt_logprobs: LogprobsLists | None = None
+    # Once, with the first output: when the request was first scheduled (wall time; the frontend's
+    # queue, prefill and decode time metrics are measured from it).
+    scheduled_time: float = 0.0
 
     @property
     def finished(self) -> bool:
