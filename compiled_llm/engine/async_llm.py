@@ -84,7 +84,7 @@ class AsyncLLM:
         self.tokenizer = get_tokenizer(config.model_config.model)
         self.processor = Processor(self.model_config, self.tokenizer, config.scheduler_config.policy)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.metrics = EngineMetrics(self.model_config.served_model_name)
+        self.metrics = EngineMetrics(self.model_config.served_model_name, self.model_config.max_model_len)
         self.output_processor.on_output = self.metrics.on_output
         # One thread: HF tokenizers are not meant to be used from several threads at once.
         self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
