@@ -68,7 +68,7 @@ class EngineCore:
         params = request.sampling_params
         if params.n != 1:
             raise ValueError(f"The engine runs one sequence per request (the frontend fans out n), got n={params.n}.")
-        if params.logprobs is not None and params.logprobs > mc.max_logprobs:
+        if params.logprobs is not None and 0 <= mc.max_logprobs < params.logprobs:  # -1: no limit
             raise ValueError(f"logprobs must be at most {mc.max_logprobs}, got {params.logprobs}.")
         bad_stops = [t for t in params.stop_token_ids or [] if t >= mc.vocab_size]
         if bad_stops:

@@ -95,7 +95,7 @@ class Processor:
         if bad:
             raise ValueError(f"stop_token_ids holds {bad[0]}, outside the vocabulary (size {self.vocab_size}).")
         limit = self.model_config.max_logprobs
-        if params.logprobs is not None and params.logprobs > limit:
+        if params.logprobs is not None and 0 <= limit < params.logprobs:  # -1: no limit
             raise ValueError(f"logprobs must be at most {limit}, got {params.logprobs}.")
         params.verify_for_model(self.vocab_size, limit)
         validate_structured_outputs(params)  # a bad schema, regex or grammar: ValueError naming it

@@ -43,7 +43,7 @@ def grammar_spec(params: StructuredOutputsParams) -> GrammarSpec:
             try:
                 schema = json.loads(schema)
             except json.JSONDecodeError as e:
-                raise ValueError(f"structured_outputs.json is not valid JSON: {e}.") from None
+                raise ValueError(f"The structured outputs JSON schema is not valid JSON: {e}.") from None
         # Key order stays: the grammar emits properties in the schema's order.
         return GrammarSpec("json", json.dumps(schema, separators=(",", ":")), any_whitespace)
     if params.json_object:
