@@ -2,9 +2,9 @@
 
 `GrammarSpec` is what the grammar cache is keyed by: the same schema given as a dict or as JSON
 text with other spacing is one spec (key order is kept: it is the order of the output's
-properties), and a choice list is an EBNF grammar of its literals. Validation parses the constraint with xgrammar (no tokenizer, no compilation: cheap), so
-that a bad schema, regex or grammar is refused with xgrammar's reason before the request reaches
-the engine.
+properties), and a choice list is an EBNF grammar of its literals. Validation parses the
+constraint with xgrammar (no tokenizer, no compilation: cheap), so that a bad schema, regex or
+grammar is refused with xgrammar's reason before the request reaches the engine.
 """
 
 from __future__ import annotations
