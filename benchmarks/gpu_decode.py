@@ -5,7 +5,8 @@ A model of SmolLM2-135M's shape in bf16 with random weights; batch 1, 8 and 64, 
 128-token prompt and 256 new tokens (greedy, EOS ignored). Reports decode tokens/s and the
 inter-token latency (one decode step), medians of `--runs` runs, and the -O2 / eager and
 -O2 / HF ratios. Without a GPU it runs a small smoke version on the CPU (to check the script,
-not to measure).
+not to measure). benchmarks/gpu_profile.py measures -O2 in depth and gpu_hf_peer.py HF compiled
+too; the GPU check runs this one only when asked (GPU_CHECK_STEPS=decode).
 
     python benchmarks/gpu_decode.py [--json results.json] [--runs 3]
 """
@@ -23,6 +24,7 @@ import traceback
 from typing import Callable
 
 import torch
+from gpu_workload import CPU_SMOKE_SHAPE
 
 from compiled_llm import LLM, SamplingParams
 from compiled_llm.models.dummy import SMOLLM2_135M, write_dummy_model
@@ -120,8 +122,7 @@ def main() -> None:
     levels = [int(x) for x in args.levels.split(",")]
     if not on_gpu:
         print("no CUDA device: running a small CPU smoke version (not a measurement)")
-        config.update(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, vocab_size=512)
+        config.update(CPU_SMOKE_SHAPE)
         prompt_len, new_tokens, batches = 16, 8, [1, 2]
     results: Results = {}
     with tempfile.TemporaryDirectory() as tmp:
