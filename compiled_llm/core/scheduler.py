@@ -16,6 +16,12 @@ leaves the running batch at once and gives its blocks back, as it would once fin
 still in flight writes its last KV entry before any later step can reuse them); it finishes when
 its output arrives. One that turns out to have stopped (EOS, a stop token) is finished then, and
 whatever a step already in flight computed for it is dropped.
+
+A request with structured outputs joins the scheduler with its grammar compiled: its sampled
+tokens advance its matcher, and it stops when the grammar is complete (or refuses a token). Each
+step lists the constrained requests that sample in it, the rows of the grammar bitmask. A request
+that wants prompt logprobs skips the prefix cache (a cached block's positions would have no
+logprobs); one with `max_tokens=0` (scoring) finishes after its prompt, its sample dropped.
 """
 
 from __future__ import annotations

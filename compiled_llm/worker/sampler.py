@@ -2,7 +2,8 @@
 logprobs.
 
 Every transformation works on the whole batch at once; a knob nobody in the batch uses costs
-nothing (its tensor is None). Logprobs are those of the raw model output, as vLLM returns them.
+nothing (its tensor is None). Logprobs are those of the raw model output (after a grammar's
+bitmask, which the runner applies first, and before logit bias and penalties), as vLLM returns them.
 """
 
 from __future__ import annotations

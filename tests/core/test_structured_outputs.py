@@ -125,10 +125,11 @@ def test_a_bad_constraint_is_refused_before_the_engine_and_by_it(llm):
     assert out[0].outputs[0].text in ("yes", "no")
 
 
-@pytest.fixture(scope="module")
-def tiny_runs(tiny_llama):
-    """The same mixed batch (constrained and not, greedy and seeded, logit_bias, prompt logprobs)
-    through a synchronous and an asynchronous engine on a tiny random model."""
+@pytest.fixture(scope="module", params=[16 << 20, 9 * 8192], ids=["roomy", "preempting"])
+def tiny_runs(request, tiny_llama):
+    """The same mixed batch (constrained and not, greedy and seeded, logit_bias, prompt logprobs,
+    scoring only) through a synchronous and an asynchronous engine on a tiny random model, with
+    room for all, or with 8 KV blocks (8 KiB each, 16 tokens) so that requests are preempted."""
     params = [
         SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=SO(choice=["alpha", "beta", "gamma"])),
         SamplingParams(temperature=1.0, seed=5, max_tokens=24, structured_outputs=SO(json=PERSON)),
@@ -137,15 +138,20 @@ def tiny_runs(tiny_llama):
         SamplingParams(temperature=0.0, max_tokens=14, logit_bias={100: 5.0, 200: -100.0}, prompt_logprobs=3),
         SamplingParams(temperature=1.0, seed=1, max_tokens=20, ignore_eos=True,
                        structured_outputs=SO(grammar=SUM_GRAMMAR)),
+        SamplingParams(max_tokens=0, prompt_logprobs=2),
     ]
-    prompts = [f"Prompt number {i}: tell me something" + " more" * i for i in range(len(params))]
+    prompts = [f"Prompt number {i}: tell me something" + " more" * (18 + i) for i in range(len(params))]
     runs = {}
     for mode in (False, True):
-        llm = LLM(tiny_llama, optimization_level=0, max_model_len=256, kv_cache_memory_bytes=16 << 20,
+        llm = LLM(tiny_llama, optimization_level=0, max_model_len=128, kv_cache_memory_bytes=request.param,
                   max_num_seqs=4, async_scheduling=mode)
         outs = llm.generate(prompts, params, use_tqdm=False)
         core = llm.llm_engine.engine_core
         assert not core.has_unfinished_requests()
+        pool = core.scheduler.kv.pool
+        assert pool.num_free_blocks == pool.num_blocks - 1, "blocks leaked"
+        if request.param < 1 << 20:
+            assert core.scheduler.num_preemptions > 0
         runs[mode] = [
             (c.token_ids, c.text, c.finish_reason, [sorted(d) for d in c.logprobs or []],
              [None if d is None else {t: round(lp.logprob, 3) for t, lp in d.items()} for d in o.prompt_logprobs or []])
@@ -164,6 +170,7 @@ def test_async_scheduling_equals_sync_with_constraints(tiny_runs):
     assert re.fullmatch(SUM_RE, sync[5][1]) and sync[5][2] == "stop"
     assert 200 not in sync[4][0]
     assert sync[4][4][0] is None and len(sync[4][4]) > 1
+    assert sync[6][0] == [] and sync[6][2] == "length" and len(sync[6][4]) > 1  # scored, nothing generated
 
 
 def test_an_unconstrained_batch_builds_no_bitmask(tiny_llama):
