@@ -94,6 +94,7 @@ def compute_factors(
     max_num_batched_tokens: int,
     source_files: list[Path],
     cpu_kernels: bool = False,
+    tensor_parallel: tuple[int, int] = (0, 1),
 ) -> dict[str, Any]:
     """Everything that changes the traced graph or the code generated for it. `cpu_kernels`: the
     model calls this project's C++ CPU ops (a graph that calls them cannot run where they are
@@ -120,6 +121,9 @@ def compute_factors(
         "splitting_ops": sorted(compilation_config.splitting_ops),
         "sources": sources_hash(source_files),
         "cpu_kernels": cpu_kernels,
+        # Each tensor-parallel rank compiles its own slice of the model into its own entry.
+        **({"tensor_parallel": {"rank": tensor_parallel[0], "world_size": tensor_parallel[1]}}
+           if tensor_parallel[1] > 1 else {}),
     }
 
 
@@ -127,9 +131,14 @@ def cache_key(factors: dict[str, Any]) -> str:
     return _hash_text(json.dumps(factors, sort_keys=True, default=repr))[:16]
 
 
-def engine_cache_factors(config: EngineConfig) -> dict[str, Any]:
-    """The factors for an engine's settings: no model is built (every source file of the package,
-    the models' included, is hashed), so `precompile --print-cache-key` answers at once."""
+def engine_cache_factors(config: EngineConfig, rank: int | None = None) -> dict[str, Any]:
+    """The factors for an engine's settings (for tensor-parallel `rank`, by default this process's):
+    no model is built (every source file of the package, the models' included, is hashed), so
+    `precompile --print-cache-key` answers at once."""
+    if rank is None:
+        from compiled_llm.distributed.parallel_state import tensor_parallel
+
+        rank = tensor_parallel().rank
     from compiled_llm.kernels.cpu_extension import uses_cpu_kernels
 
     mc = config.model_config
@@ -141,6 +150,7 @@ def engine_cache_factors(config: EngineConfig) -> dict[str, Any]:
         max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
         source_files=package_sources(),
         cpu_kernels=uses_cpu_kernels(config.torch_device, mc.dtype),  # what the model's layers call
+        tensor_parallel=(rank, config.parallel_config.tensor_parallel_size),
     )
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -223,6 +223,29 @@ class SchedulerConfig:
             raise ValueError(f"Unknown scheduling policy {self.policy!r}; use one of {', '.join(SCHEDULING_POLICIES)}.")
 
 
+EXECUTOR_BACKENDS = ("mp", "ray")
+
+
+@dataclass
+class ParallelConfig:
+    """How one model is spread: `tensor_parallel_size` ranks per engine (one process each, the
+    first in the engine core's process), `data_parallel_size` engines behind one server, placed as
+    local processes (`mp`) or Ray actors (`ray`)."""
+
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
+            raise ValueError("tensor_parallel_size and data_parallel_size must be at least 1.")
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ValueError(
+                f"Unknown distributed executor backend {self.distributed_executor_backend!r}; "
+                f"use one of {', '.join(EXECUTOR_BACKENDS)}."
+            )
+
+
 @dataclass
 class EngineConfig:
     model_config: ModelConfig
@@ -230,7 +253,8 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     compilation_config: CompilationConfig
     device: str = "cpu"
-    num_threads: int | None = None  # CPU threads of the engine process; None on a GPU
+    num_threads: int | None = None  # CPU threads of each rank's process; None on a GPU
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
 
     @property
     def torch_device(self) -> torch.device:

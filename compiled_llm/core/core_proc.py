@@ -248,7 +248,7 @@ def run_engine_core(
     threading.Thread(target=_watch_parent, args=(conn,), name="ParentWatch", daemon=True).start()
     encoder = msgspec.msgpack.Encoder()
     try:
-        engine = EngineCore(config)
+        engine = EngineCore(config, exit_on_worker_death=True)
     except SystemExit:
         return
     except BaseException as e:

@@ -23,6 +23,7 @@ from compiled_llm.core.request import Request
 from compiled_llm.core.scheduler import Scheduler
 from compiled_llm.core.structured_outputs.manager import StructuredOutputManager
 from compiled_llm.core.structured_outputs.spec import validate_structured_outputs
+from compiled_llm.executor import make_executor
 from compiled_llm.logger import init_logger
 from compiled_llm.messages.engine_core import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from compiled_llm.messages.scheduler_output import SchedulerOutput
@@ -36,17 +37,21 @@ logger = init_logger(__name__)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, exit_on_worker_death: bool = False) -> None:
+        """`exit_on_worker_death`: this is the engine core's own process (a tensor-parallel rank
+        that dies ends it, and its client reports the engine's death)."""
         started = time.perf_counter()
         self.config = config
-        self.runner = ModelRunner(config)
-        logger.info("Model weights loaded in %.2f s.", self.runner.load_seconds)
+        # Every rank's runner; this process holds the driver's (rank 0), which samples.
+        self.executor = make_executor(config, exit_on_worker_death)
+        self.runner: ModelRunner = self.executor.driver
+        logger.info("Model weights loaded in %.2f s.", self.executor.load_seconds)
         t = time.perf_counter()
-        num_blocks = self.runner.determine_num_blocks()
+        num_blocks = self.executor.determine_num_blocks()
         config.cache_config.num_blocks = num_blocks
-        self.runner.initialize_kv_cache(num_blocks)
+        self.executor.initialize_kv_cache(num_blocks)
         self.kv_seconds = time.perf_counter() - t
-        self.runner.compile_or_warm_up()
+        self.executor.compile_or_warm_up()
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config)
         self._in_flight: deque[tuple[SchedulerOutput, StepOutput]] = deque()  # launched, not yet accounted
         self.structured_outputs: StructuredOutputManager | None = None  # made by the first constrained request
@@ -119,7 +124,7 @@ class EngineCore:
             outputs += self._step_async()
         elif self.scheduler.has_unfinished_requests():
             scheduler_output = self.scheduler.schedule()
-            runner_output = self.runner.execute_model(scheduler_output, self._grammar_bitmask(scheduler_output))
+            runner_output = self.executor.execute_model(scheduler_output, self._grammar_bitmask(scheduler_output))
             outputs += self.scheduler.update_from_output(scheduler_output, runner_output)
         return EngineCoreOutputs(outputs, self._stats(), time.time())
 
@@ -132,7 +137,7 @@ class EngineCore:
         launched = False
         if self.scheduler.has_unfinished_requests():
             scheduler_output = self.scheduler.schedule()
-            step = self.runner.execute_model_async(scheduler_output, self._grammar_bitmask(scheduler_output, outputs))
+            step = self.executor.execute_model_async(scheduler_output, self._grammar_bitmask(scheduler_output, outputs))
             if not scheduler_output.empty:
                 self._in_flight.append((scheduler_output, step))
                 launched = True
@@ -190,3 +195,4 @@ class EngineCore:
     def shutdown(self) -> None:
         if self.structured_outputs is not None:
             self.structured_outputs.shutdown()
+        self.executor.shutdown()

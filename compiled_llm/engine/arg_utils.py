@@ -19,10 +19,12 @@ from typing import Any, Callable
 
 from compiled_llm.compilation.config import CompilationConfig, CUDAGraphMode
 from compiled_llm.config import (
+    EXECUTOR_BACKENDS,
     SCHEDULING_POLICIES,
     CacheConfig,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     default_num_threads,
 )
@@ -80,6 +82,15 @@ class EngineArgs:
     gpu_memory_utilization: float = _setting(CacheConfig.gpu_memory_utilization,
                                              "Share of the GPU's memory this engine may use.")
     num_threads: int | None = _setting(None, "CPU threads (default: COMPILED_LLM_NUM_THREADS, else all cores).")
+    tensor_parallel_size: int = _setting(ParallelConfig.tensor_parallel_size,
+                                         "Ranks that split the model (one process each; gloo on CPUs, NCCL on GPUs).",
+                                         group="parallel", short="-tp")
+    data_parallel_size: int = _setting(ParallelConfig.data_parallel_size,
+                                       "Engines behind the server, each a full copy of the model.",
+                                       group="parallel", short="-dp")
+    distributed_executor_backend: str = _setting(
+        ParallelConfig.distributed_executor_backend, "mp: local processes; ray: Ray actors (placement groups, which "
+        "may span the nodes of a Ray cluster).", group="parallel", choices=EXECUTOR_BACKENDS)
     optimization_level: int | None = _setting(
         None, "0 eager, 1 compiled pieces, 2 pieces + CUDA graphs (default: 1 on a CPU, 2 on a GPU).",
         group="compilation", short="-O", choices=[0, 1, 2])
@@ -146,8 +157,15 @@ class EngineArgs:
             scheduler_config,
             compilation_config,
             device=str(device),
-            num_threads=self.num_threads or (default_num_threads() if device.type == "cpu" else None),
+            num_threads=self.num_threads or (self._cpu_threads_per_rank() if device.type == "cpu" else None),
+            parallel_config=ParallelConfig(
+                self.tensor_parallel_size, self.data_parallel_size, self.distributed_executor_backend
+            ),
         )
+
+    def _cpu_threads_per_rank(self) -> int:
+        """The machine's threads shared out over every rank of every engine."""
+        return max(1, default_num_threads() // (self.tensor_parallel_size * self.data_parallel_size))
 
     # ---- command line ---------------------------------------------------------------------------
     @classmethod

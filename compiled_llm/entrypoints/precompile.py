@@ -27,7 +27,7 @@ def add_precompile_args(parser: argparse.ArgumentParser) -> None:
 
 def run_precompile(args: argparse.Namespace) -> int:
     from compiled_llm.compilation.cache_key import engine_compile_cache
-    from compiled_llm.worker.model_runner import ModelRunner
+    from compiled_llm.executor import make_executor
 
     config = EngineArgs.from_cli_args(args).create_engine_config()
     if config.compilation_config.level == 0:
@@ -36,11 +36,15 @@ def run_precompile(args: argparse.Namespace) -> int:
         print(engine_compile_cache(config).key)
         return 0
     started = time.perf_counter()
-    runner = ModelRunner(config)
-    # Compiled pieces do not depend on the KV cache's size: a minimal one is enough to trace.
-    runner.initialize_kv_cache(num_blocks=2)
-    runner.compile()  # CUDA graphs are not saved (they hold device addresses): `serve` captures them
-    compiled = runner.compiled_forward
+    # Every tensor-parallel rank compiles (or loads) its own slice into its own entry.
+    executor = make_executor(config)
+    try:
+        # Compiled pieces do not depend on the KV cache's size: a minimal one is enough to trace.
+        executor.initialize_kv_cache(num_blocks=2)
+        ranks = executor.compile()  # CUDA graphs are not saved (they hold device addresses): `serve` captures them
+    finally:
+        executor.shutdown()
+    compiled = executor.driver.compiled_forward  # rank 0's report; the others did the same work
     report = compiled.report
     result = {
         "pieces": report.pieces,
@@ -52,6 +56,7 @@ def run_precompile(args: argparse.Namespace) -> int:
         "artifacts_loaded": report.artifacts_loaded,
         "seconds": round(compiled.seconds or 0.0, 3),
         "cache_dir": report.cache_dir,
+        "ranks": ranks,  # each tensor-parallel rank's compilations and loads (one rank without TP)
         "total_seconds": round(time.perf_counter() - started, 3),
     }
     logger.info("Precompile done: %d Inductor compilations, %d artifacts loaded, %.2f s; cache %s",

@@ -17,7 +17,15 @@ from compiled_llm.config import rope_parameters
 from compiled_llm.models.layers.activation import SiluAndMul
 from compiled_llm.models.layers.attention import Attention
 from compiled_llm.models.layers.layernorm import RMSNorm
-from compiled_llm.models.layers.linear import Linear, MergedLinear, QKVLinear, linear
+from compiled_llm.models.layers.linear import linear
+from compiled_llm.models.layers.parallel import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    gather_logits,
+)
 from compiled_llm.models.layers.rotary import RotaryEmbedding
 
 
@@ -34,14 +42,18 @@ class Biases:
 class DecoderAttention(nn.Module):
     def __init__(self, config: Any, rotary: RotaryEmbedding, biases: Biases, qk_norm: bool, cpu_kernels: bool) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        # This rank's heads (all of them without tensor parallelism).
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, num_heads, num_kv_heads, biases.qkv,
+                                          cpu_kernels)
+        heads = self.qkv_proj.heads
+        self.num_heads, self.num_kv_heads = len(heads.q_heads), len(heads.kv_heads)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, biases.qkv,
-                                  cpu_kernels)
-        self.o_proj = Linear(self.q_size, config.hidden_size, biases.o, cpu_kernels)
+        q_columns = range(heads.q_heads.start * self.head_dim, heads.q_heads.stop * self.head_dim)
+        self.o_proj = RowParallelLinear(q_columns, config.hidden_size, biases.o, cpu_kernels)
         self.rotary_emb = rotary
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
@@ -64,8 +76,9 @@ class DecoderMLP(nn.Module):
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"Unsupported hidden_act {config.hidden_act!r}; only silu is implemented.")
-        self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2, bias, cpu_kernels)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias, cpu_kernels)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias,
+                                                       cpu_kernels)
+        self.down_proj = RowParallelLinear(self.gate_up_proj.part_rows[0], config.hidden_size, bias, cpu_kernels)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -100,8 +113,7 @@ class DecoderModel(nn.Module):
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         theta, scaling = rope_parameters(config)
         rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, rotary, biases, qk_norm, cpu_kernels) for _ in range(config.num_hidden_layers)
         )
@@ -126,7 +138,8 @@ class LlamaForCausalLM(nn.Module):
         self.model = DecoderModel(config, self.biases(config), self.qk_norm, cpu_kernels)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.cpu_kernels = cpu_kernels
-        self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
+        # This rank's slice of the vocabulary, as the embedding's (all of it without tensor parallelism).
+        self.lm_head = None if self.tie_word_embeddings else ColumnParallelLinear(config.hidden_size, config.vocab_size)
 
     @classmethod
     def biases(cls, config: Any) -> Biases:
@@ -142,7 +155,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.lm_head_weight, None, self.cpu_kernels)
+        """Logits over the whole vocabulary, on every rank."""
+        return gather_logits(linear(hidden, self.lm_head_weight, None, self.cpu_kernels), self.config.vocab_size)
 
     # Checkpoint name fragments that load into one shard of a fused parameter.
     stacked_params = (

@@ -16,6 +16,7 @@ from safetensors import safe_open
 from torch import nn
 
 from compiled_llm.config import ModelConfig
+from compiled_llm.models.checkpoint import CheckpointTensor, read
 from compiled_llm.models.layers.linear import MergedLinear
 from compiled_llm.models.registry import model_class
 
@@ -50,14 +51,15 @@ def checkpoint_files(folder: Path) -> list[Path]:
     return files
 
 
-def iterate_checkpoint(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_checkpoint(folder: Path) -> Iterator[tuple[str, CheckpointTensor]]:
+    """Every tensor of the checkpoint, not read yet: each layer reads what it keeps."""
     for path in checkpoint_files(folder):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, CheckpointTensor(f, name)
 
 
-def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+def load_weights(model: nn.Module, weights: Iterator[tuple[str, CheckpointTensor | torch.Tensor]]) -> None:
     """Copy checkpoint tensors into the model, fusing q/k/v and gate/up; every parameter must be filled."""
     params = dict(model.named_parameters())
     expected_shards = {
@@ -85,6 +87,11 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
             )
         owner = model.get_submodule(target.rpartition(".")[0])
         with torch.no_grad():
+            if hasattr(owner, "load_checkpoint"):  # a tensor-parallel layer reads only its slice
+                owner.load_checkpoint(param, tensor, shard)
+                filled.setdefault(target, set()).add(shard)
+                continue
+            tensor = read(tensor)
             if shard is None:
                 if tuple(tensor.shape) != tuple(param.shape):
                     raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")

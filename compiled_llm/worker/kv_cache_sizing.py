@@ -16,15 +16,19 @@ CPU_DEFAULT_KV_BYTES = 2 << 30
 CUDA_GRAPH_RESERVE = 1 << 30  # captured graphs live outside the profiling run
 
 
-def kv_bytes_per_block(model_config: ModelConfig, block_size: int) -> int:
+def kv_bytes_per_block(model_config: ModelConfig, block_size: int, num_kv_heads: int | None = None) -> int:
+    """`num_kv_heads`: the heads this rank keeps (all of them without tensor parallelism)."""
     elem = torch.empty(0, dtype=model_config.dtype).element_size()
-    return 2 * block_size * model_config.num_kv_heads * model_config.head_dim * elem * model_config.num_layers
+    heads = model_config.num_kv_heads if num_kv_heads is None else num_kv_heads
+    return 2 * block_size * heads * model_config.head_dim * elem * model_config.num_layers
 
 
-def cpu_kv_budget(model_config: ModelConfig, block_size: int, max_num_reqs: int) -> int:
+def cpu_kv_budget(
+    model_config: ModelConfig, block_size: int, max_num_reqs: int, num_kv_heads: int | None = None
+) -> int:
     """Enough for every sequence at full length if memory allows, within 2 GiB and a fifth of what
     is free."""
-    per_block = kv_bytes_per_block(model_config, block_size)
+    per_block = kv_bytes_per_block(model_config, block_size, num_kv_heads)
     wanted = per_block * (cdiv(model_config.max_model_len, block_size) * max_num_reqs + 1)
     return int(min(wanted, CPU_DEFAULT_KV_BYTES, psutil.virtual_memory().available // 5))
 
@@ -45,9 +49,9 @@ def gpu_kv_budget(cache_config: CacheConfig, peak_bytes: int, step_tokens: int, 
     return budget
 
 
-def num_blocks_for(budget: int, model_config: ModelConfig, block_size: int) -> int:
+def num_blocks_for(budget: int, model_config: ModelConfig, block_size: int, num_kv_heads: int | None = None) -> int:
     """Blocks in `budget` bytes; an error naming the fix when one full-length sequence won't fit."""
-    per_block = kv_bytes_per_block(model_config, block_size)
+    per_block = kv_bytes_per_block(model_config, block_size, num_kv_heads)
     max_blocks_per_req = cdiv(model_config.max_model_len, block_size)
     num_blocks = int(budget // per_block)
     if num_blocks - 1 < max_blocks_per_req:

@@ -22,6 +22,8 @@ from compiled_llm.compilation.config import CUDAGraphMode
 from compiled_llm.compilation.cudagraph_dispatcher import CudagraphDispatcher
 from compiled_llm.compilation.forward_context import set_forward_context
 from compiled_llm.config import EngineConfig
+from compiled_llm.distributed.communication import broadcast_from_driver
+from compiled_llm.distributed.parallel_state import tensor_parallel
 from compiled_llm.kernels.cpu_extension import uses_cpu_kernels
 from compiled_llm.logger import init_logger
 from compiled_llm.messages.runner_output import ModelRunnerOutput
@@ -33,7 +35,7 @@ from compiled_llm.worker import kv_cache_sizing
 from compiled_llm.worker.grammar_bitmask import apply_grammar_bitmask
 from compiled_llm.worker.input_batch import InputBatch
 from compiled_llm.worker.prompt_logprobs import PromptLogprobsComputer, PromptLogprobsTensors, PromptSegment
-from compiled_llm.worker.sampler import Sampler
+from compiled_llm.worker.sampler import Sampler, SamplerOutput
 from compiled_llm.worker.step_inputs import StepInputs
 from compiled_llm.worker.step_output import StepOutput
 
@@ -57,7 +59,9 @@ class ModelRunner:
         # Builds the C++ CPU kernels once per machine, now rather than mid-step.
         self.model = build_model(mc, self.device, cpu_kernels=uses_cpu_kernels(self.device, mc.dtype))
         self.load_seconds = time.perf_counter() - started
+        self.tensor_parallel = tensor_parallel()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.num_kv_heads = self.attention_layers[0].num_kv_heads  # this rank's (tensor parallelism)
         self.model_forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self.model.forward
         self.compiled_forward = None  # set by `compile`
 
@@ -79,7 +83,7 @@ class ModelRunner:
 
     # ---- KV cache -------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
-        return kv_cache_sizing.kv_bytes_per_block(self.config.model_config, self.block_size)
+        return kv_cache_sizing.kv_bytes_per_block(self.config.model_config, self.block_size, self.num_kv_heads)
 
     def determine_num_blocks(self) -> int:
         cache = self.config.cache_config
@@ -94,8 +98,10 @@ class ModelRunner:
             )
             budget = max(budget, self.kv_bytes_per_block() * 2)
         elif budget is None:
-            budget = kv_cache_sizing.cpu_kv_budget(self.config.model_config, self.block_size, self.max_num_reqs)
-        return kv_cache_sizing.num_blocks_for(budget, self.config.model_config, self.block_size)
+            budget = kv_cache_sizing.cpu_kv_budget(
+                self.config.model_config, self.block_size, self.max_num_reqs, self.num_kv_heads
+            )
+        return kv_cache_sizing.num_blocks_for(budget, self.config.model_config, self.block_size, self.num_kv_heads)
 
     @torch.inference_mode()
     def profile_run(self) -> None:
@@ -107,7 +113,8 @@ class ModelRunner:
         query_lens = [mc.max_model_len] * (num_tokens // mc.max_model_len)
         if num_tokens % mc.max_model_len:
             query_lens.append(num_tokens % mc.max_model_len)
-        scratch = torch.zeros((2, 1, self.block_size, mc.num_kv_heads, mc.head_dim), dtype=mc.dtype, device=self.device)
+        scratch = torch.zeros((2, 1, self.block_size, self.num_kv_heads, mc.head_dim), dtype=mc.dtype,
+                              device=self.device)
         kept = [layer.kv_cache for layer in self.attention_layers]
         for layer in self.attention_layers:
             layer.kv_cache = scratch
@@ -122,7 +129,7 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         mc = self.config.model_config
-        shape = (mc.num_layers, 2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        shape = (mc.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, mc.head_dim)
         kv = torch.zeros(shape, dtype=mc.dtype, device=self.device)
         self.kv_caches = list(kv.unbind(0))
         for layer, cache in zip(self.attention_layers, self.kv_caches):
@@ -200,7 +207,11 @@ class ModelRunner:
             self._apply_grammar_bitmask(logits, grammar_bitmask(), out.structured_output_request_ids,
                                         [req_ids[i] for i in sample_idx])
         sample_rows = rows[sample_idx]
-        result = self.sampler(logits, batch.sampling.metadata(sample_rows, batch.num_output_tokens(sample_rows)))
+        if self.tensor_parallel.is_driver:
+            result = self.sampler(logits, batch.sampling.metadata(sample_rows, batch.num_output_tokens(sample_rows)))
+        else:  # the driver samples, once for every rank; this rank takes in its ids
+            result = SamplerOutput(torch.empty(len(sample_idx), dtype=torch.int64, device=self.device))
+        broadcast_from_driver(result.sampled)
         batch.sampling.record_sampled(sample_rows, result.sampled)
         positions = batch.add_sampled(sample_rows, self._step)
         self._last_sampled = result.sampled

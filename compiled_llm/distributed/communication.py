@@ -1,0 +1,69 @@
+"""Collectives of the tensor-parallel group.
+
+`compiled_llm::tp_all_reduce` is a custom op so that Dynamo traces it into the graph as one opaque
+node and Inductor calls it from inside the compiled pieces (no graph break, no split): the row-
+parallel layers' sums happen within the compiled code, and on GPUs within the CUDA graphs. The
+other collectives run outside the model (logits, sampled ids) and are plain calls.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from compiled_llm.distributed.parallel_state import tensor_parallel
+
+_lib = torch.library.Library("compiled_llm", "FRAGMENT")
+_lib.define("tp_all_reduce(Tensor x) -> Tensor")
+
+
+def _all_reduce(x: torch.Tensor) -> torch.Tensor:
+    out = x.clone()
+    group = tensor_parallel()
+    if group.world_size > 1:
+        dist.all_reduce(out, group=group.group)
+    return out
+
+
+_lib.impl("tp_all_reduce", _all_reduce, "CPU")
+_lib.impl("tp_all_reduce", _all_reduce, "CUDA")
+torch.library.register_fake("compiled_llm::tp_all_reduce", lambda x: torch.empty_like(x), lib=_lib)
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """The sum over the group's ranks (the tensor itself on a single rank)."""
+    if tensor_parallel().world_size == 1:
+        return x
+    return torch.ops.compiled_llm.tp_all_reduce(x)
+
+
+def all_gather_last_dim(x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """Every rank's `x` (whose last dim is that rank's share, `sizes[rank]`), concatenated along
+    the last dim in rank order."""
+    group = tensor_parallel()
+    if group.world_size == 1:
+        return x
+    x = x.contiguous()
+    parts = [x.new_empty(*x.shape[:-1], size) for size in sizes]
+    dist.all_gather(parts, x, group=group.group)
+    return torch.cat(parts, dim=-1)
+
+
+def broadcast_from_driver(x: torch.Tensor) -> torch.Tensor:
+    """Rank 0's `x` on every rank (in place on the others: same shape and dtype)."""
+    group = tensor_parallel()
+    if group.world_size > 1:
+        dist.broadcast(x, src=0, group=group.group)
+    return x
+
+
+def all_reduce_min(value: int) -> int:
+    """The smallest `value` over the group's ranks (a host integer)."""
+    group = tensor_parallel()
+    if group.world_size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    if dist.get_backend(group.group) == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group.group)
+    return int(t.item())

@@ -1,0 +1,179 @@
+"""Tensor-parallel layers: each rank holds a slice of a layer's weights and computes its share.
+
+- Column-parallel linears (the fused QKV, gate-up, an untied LM head) keep a slice of the output
+  rows; their outputs stay split, and the attention and SiLU that follow work on the slice.
+- Row-parallel linears (the attention output and down projections) keep the matching slice of
+  the input columns; their partial outputs are summed over the ranks by one all-reduce each.
+- The embedding and the LM head keep a slice of the vocabulary.
+
+Attention heads are split by key-value group, so grouped-query attention stays intact on every
+rank; groups that do not divide evenly give the first ranks one more (SmolLM2's 3 groups of 3
+query heads over 2 ranks: 6 and 3 heads). With fewer key-value heads than ranks, each key-value
+head is replicated on the ranks that share it. At one rank every layer is the plain one.
+
+Each layer loads its slice straight from the checkpoint (`load_checkpoint`): a rank reads only the
+rows or columns it keeps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from compiled_llm.distributed.communication import all_gather_last_dim, all_reduce
+from compiled_llm.distributed.parallel_state import tensor_parallel
+from compiled_llm.models.checkpoint import CheckpointTensor, read
+from compiled_llm.models.layers.linear import Linear, MergedLinear, linear
+
+
+def split_sizes(total: int, parts: int) -> list[int]:
+    """`total` in `parts` as even as can be, the first ones one larger."""
+    base, extra = divmod(total, parts)
+    return [base + (i < extra) for i in range(parts)]
+
+
+def shard_range(total: int, rank: int, world_size: int) -> range:
+    sizes = split_sizes(total, world_size)
+    start = sum(sizes[:rank])
+    return range(start, start + sizes[rank])
+
+
+@dataclass(frozen=True)
+class HeadPartition:
+    """The query and key-value heads one rank holds."""
+
+    q_heads: range
+    kv_heads: range
+
+    @classmethod
+    def for_rank(cls, num_heads: int, num_kv_heads: int, rank: int, world_size: int) -> "HeadPartition":
+        group = num_heads // num_kv_heads
+        if num_kv_heads >= world_size:
+            kv = shard_range(num_kv_heads, rank, world_size)
+            return cls(range(kv.start * group, kv.stop * group), kv)
+        if world_size % num_kv_heads or num_heads % world_size:
+            raise ValueError(
+                f"Cannot split {num_heads} query heads and {num_kv_heads} key-value heads over {world_size} ranks: "
+                "with fewer key-value heads than ranks, the ranks must be a multiple of the key-value heads and "
+                "divide the query heads."
+            )
+        per_rank = num_heads // world_size
+        q = range(rank * per_rank, (rank + 1) * per_rank)
+        kv_head = rank // (world_size // num_kv_heads)
+        return cls(q, range(kv_head, kv_head + 1))
+
+
+def _copy_rows(param: nn.Parameter, loaded: CheckpointTensor | torch.Tensor, rows: range, into: int = 0) -> None:
+    part = read(loaded, 0, rows.start, len(rows))
+    target = param.data.narrow(0, into, len(rows))
+    if tuple(part.shape) != tuple(target.shape):
+        raise ValueError(f"shape mismatch: checkpoint slice {tuple(part.shape)} vs model {tuple(target.shape)}")
+    target.copy_(part)
+
+
+class ColumnParallelLinear(Linear):
+    """A slice of the output rows (all of them at one rank)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, cpu_kernel: bool = False) -> None:
+        tp = tensor_parallel()
+        self.out_rows = shard_range(out_features, tp.rank, tp.world_size)
+        super().__init__(in_features, len(self.out_rows), bias, cpu_kernel)
+
+    def load_checkpoint(self, param: nn.Parameter, loaded: CheckpointTensor | torch.Tensor, shard: object) -> None:
+        _copy_rows(param, loaded, self.out_rows)
+
+
+class MergedColumnParallelLinear(MergedLinear):
+    """Several column-parallel maps fused (gate and up): each part's slice, side by side."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False, cpu_kernel: bool = False) -> None:
+        tp = tensor_parallel()
+        self.part_rows = [shard_range(size, tp.rank, tp.world_size) for size in output_sizes]
+        super().__init__(in_features, [len(rows) for rows in self.part_rows], bias, cpu_kernel)
+
+    def load_checkpoint(self, param: nn.Parameter, loaded: CheckpointTensor | torch.Tensor, shard: object) -> None:
+        index = self.shard_index(shard)  # type: ignore[arg-type]
+        _copy_rows(param, loaded, self.part_rows[index], into=self.offsets[index])
+
+
+class QKVParallelLinear(MergedLinear):
+    """The fused query, key and value projections of this rank's heads."""
+
+    def __init__(
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, cpu_kernel: bool = False
+    ) -> None:
+        tp = tensor_parallel()
+        self.heads = HeadPartition.for_rank(num_heads, num_kv_heads, tp.rank, tp.world_size)
+        self.head_dim = head_dim
+        q, kv = len(self.heads.q_heads), len(self.heads.kv_heads)
+        super().__init__(hidden_size, [q * head_dim, kv * head_dim, kv * head_dim], bias, cpu_kernel)
+
+    def shard_index(self, shard: int | str | None) -> int:
+        index = {"q": 0, "k": 1, "v": 2}.get(shard) if isinstance(shard, str) else None
+        if index is None:
+            raise ValueError(f"QKV shards are 'q', 'k' and 'v', got {shard!r}")
+        return index
+
+    def load_checkpoint(self, param: nn.Parameter, loaded: CheckpointTensor | torch.Tensor, shard: object) -> None:
+        index = self.shard_index(shard)  # type: ignore[arg-type]
+        heads = self.heads.q_heads if index == 0 else self.heads.kv_heads
+        rows = range(heads.start * self.head_dim, heads.stop * self.head_dim)
+        _copy_rows(param, loaded, rows, into=self.offsets[index])
+
+
+class RowParallelLinear(Linear):
+    """A slice of the input columns (`in_columns`, matching the column-parallel layer before it);
+    the partial outputs are summed over the ranks, and the bias added once, after the sum."""
+
+    def __init__(
+        self, in_columns: range, out_features: int, bias: bool = False, cpu_kernel: bool = False
+    ) -> None:
+        super().__init__(len(in_columns), out_features, bias, cpu_kernel)
+        self.in_columns = in_columns
+        self.parallel = tensor_parallel().world_size > 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.parallel:
+            return super().forward(x)
+        out = all_reduce(linear(x, self.weight, None, self.cpu_kernel))
+        return out if self.bias is None else out + self.bias
+
+    def load_checkpoint(self, param: nn.Parameter, loaded: CheckpointTensor | torch.Tensor, shard: object) -> None:
+        if param is self.bias:
+            part = read(loaded)
+        else:
+            part = read(loaded, 1, self.in_columns.start, len(self.in_columns))
+        if tuple(part.shape) != tuple(param.shape):
+            raise ValueError(f"shape mismatch: checkpoint slice {tuple(part.shape)} vs model {tuple(param.shape)}")
+        param.data.copy_(part)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """A slice of the vocabulary's embedding rows; a token outside the slice looks up zeros here,
+    and the all-reduce brings in the rank that holds it."""
+
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        tp = tensor_parallel()
+        self.vocab_rows = shard_range(vocab_size, tp.rank, tp.world_size)
+        self.parallel = tp.world_size > 1
+        self.weight = nn.Parameter(torch.empty(len(self.vocab_rows), hidden_size), requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not self.parallel:
+            return F.embedding(input_ids, self.weight)
+        start, stop = self.vocab_rows.start, self.vocab_rows.stop
+        mine = (input_ids >= start) & (input_ids < stop)
+        local = torch.where(mine, input_ids - start, torch.zeros_like(input_ids))
+        return all_reduce(F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype))
+
+    def load_checkpoint(self, param: nn.Parameter, loaded: CheckpointTensor | torch.Tensor, shard: object) -> None:
+        _copy_rows(param, loaded, self.vocab_rows)
+
+
+def gather_logits(local_logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The whole vocabulary's logits from each rank's slice (every rank gets them)."""
+    return all_gather_last_dim(local_logits, split_sizes(vocab_size, tensor_parallel().world_size))
