@@ -19,6 +19,8 @@ import psutil
 import pytest
 from remote_server import RemoteServer
 
+from compiled_llm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+
 openai = pytest.importorskip("openai")  # absent on the GPU image, where only cuda tests run
 
 ENGINE_FLAGS = ["-O0", "--max-model-len", "1024", "--kv-cache-memory-bytes", str(256 << 20), "--max-num-seqs", "32"]
@@ -246,6 +248,7 @@ def _post(server: RemoteServer, path: str, body) -> httpx.Response:
                       headers={**server.headers, "Content-Type": "application/json"})
 
 
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
 BAD_REQUESTS = [
     ("/v1/completions", "{not json", 400),
     ("/v1/completions", "[1, 2]", 400),
@@ -259,7 +262,6 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "presence_penalty": 3}, 400),
     ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400),
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400),
-    ("/v1/completions", {"prompt": "hi", "echo": True}, 400),
     ("/v1/completions", {"prompt": ""}, 400),
     ("/v1/completions", {"prompt": []}, 400),
     ("/v1/completions", {"prompt": [10 ** 9]}, 400),
@@ -274,6 +276,54 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "hi"}]}, 404),
     ("/detokenize", {"tokens": [-1]}, 400),
     ("/tokenize", {}, 400),
+    ("/tokenize", {"prompt": "hi", "mm_processor_kwargs": {"a": 1}}, 400),
+    # logit_bias: token ids as strings, biases in [-100, 100], ids in the vocabulary
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"abc": 1}}, 400),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"-5": 1}}, 400),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, 400),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"999999": 1}}, 400),
+    # structured outputs: one constraint, valid, by a backend this server has
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"regex": "("}}, 400),
+    ("/v1/completions", {"prompt": "hi", "guided_json": {"type": "nonsense"}}, 400),
+    ("/v1/completions", {"prompt": "hi", "guided_grammar": "root ::= "}, 400),
+    ("/v1/completions", {"prompt": "hi", "guided_choice": []}, 400),
+    ("/v1/completions", {"prompt": "hi", "guided_regex": "a", "guided_choice": ["a"]}, 400),
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"regex": "a"},
+                         "response_format": {"type": "json_object"}}, 400),
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {}}, 400),
+    ("/v1/completions", {"prompt": "hi", "guided_regex": "a", "guided_decoding_backend": "outlines"}, 400),
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "structural_tag"}}, 400),
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_schema"}}, 400),
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "yaml"}}, 400),
+    # logprobs within --max-logprobs (-1: the whole vocabulary); prompt logprobs not in streams
+    ("/v1/completions", {"prompt": "hi", "logprobs": -1}, 400),
+    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 21}, 400),
+    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 2, "stream": True}, 400),
+    ("/v1/completions", {"prompt": "hi", "truncate_prompt_tokens": 5000}, 400),
+    ("/v1/completions", {"prompt": "hi", "truncate_prompt_tokens": 0}, 400),
+    ("/v1/completions", {"prompt": "hi", "suffix": "!"}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": -1},
+     400),
+    # tools: tool_choice needs tools, names one of them, auto needs the server's parser
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": []}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "tool_choice": "auto"},
+     400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
+                              "tool_choice": "sometimes"}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
+                              "tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
+                              "tool_choice": {"type": "function"}}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
+                              "tool_choice": "required", "response_format": {"type": "json_object"}}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "functions": [TOOLS[0]["function"]],
+                              "function_call": "required"}, 400),
+    # chat prefill: continue the assistant's last message, without a new generation prompt
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "continue_final_message": True}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "hi"}], "continue_final_message": True,
+                              "add_generation_prompt": True}, 400),
 ]
 
 
@@ -285,6 +335,34 @@ def test_bad_requests_get_openai_errors(tiny_server, path, body, status):
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     assert error["type"] == "invalid_request_error"
     assert httpx.get(tiny_server.url + "/health", timeout=10).status_code == 200
+
+
+# Fields OpenAI or vLLM define that this server does not implement: asking for them is a 400 naming them.
+REFUSED = sorted(set(ChatCompletionRequest.REFUSED) | set(CompletionRequest.REFUSED))
+
+
+@pytest.mark.parametrize("field", REFUSED)
+def test_unimplemented_fields_are_refused_by_name(tiny_server, field):
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                       ("/v1/completions", {"prompt": "hi"})):
+        if field not in (ChatCompletionRequest if "chat" in path else CompletionRequest).REFUSED:
+            continue
+        r = _post(tiny_server, path, {**body, "max_tokens": 1, field: {"unsupported": 1}})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == field and field in r.json()["error"]["message"]
+    # Their no-op values ask for nothing and are served.
+    no_op = {"use_beam_search": False, "length_penalty": 1.0, "store": False, "bad_words": []}
+    if field in no_op:
+        served = _post(tiny_server, "/v1/completions", {"prompt": "hi", "max_tokens": 1, field: no_op[field]})
+        assert served.status_code == 200, served.text
+
+
+def test_echo_is_served(tiny_server):
+    r = _post(tiny_server, "/v1/completions", {"prompt": "hi there", "echo": True, "max_tokens": 2, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"].startswith("hi there")
+    assert r.json()["usage"]["completion_tokens"] == 2
+    only = _post(tiny_server, "/v1/completions", {"prompt": "hi there", "echo": True, "max_tokens": 0})
+    assert only.status_code == 200 and only.json()["choices"][0]["text"] == "hi there"
 
 
 def test_too_long_prompt_message_gives_both_lengths(tiny_server):

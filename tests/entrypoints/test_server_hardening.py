@@ -221,15 +221,42 @@ scalars = (st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value
 values = st.recursive(scalars, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=3),
                       max_leaves=8)
 small_int = st.integers(-3, 4) | st.integers(min_value=-(2**70), max_value=2**70)
+# The fields of issue 14 (structured outputs, logit_bias, scoring, tools), mostly well-formed so
+# that the engine runs them, with garbage mixed in.
+schemas = st.sampled_from([{"type": "object"}, {"type": "string", "maxLength": 3}, {"type": "nonsense"},
+                           {"enum": [1, 2]}, {"type": "array", "items": {"type": "integer"}, "maxItems": 2}]) | values
+regexes = st.sampled_from(["a+", "[0-9]{1,3}", "(", "x|y", ".*", ""]) | st.text(max_size=6)
+grammars = st.sampled_from(['root ::= "a" | "b"', "root ::= ", "nonsense"]) | st.text(max_size=8)
+structured_outputs = st.fixed_dictionaries({}, optional={
+    "json": schemas, "regex": regexes, "choice": st.lists(st.text(max_size=4), max_size=3) | values,
+    "grammar": grammars, "json_object": st.booleans() | values, "disable_any_whitespace": st.booleans(),
+    "whitespace_pattern": values,
+}) | values
+response_format = st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "json_object", "json_schema", "structural_tag"]) | values},
+    optional={"json_schema": st.fixed_dictionaries({}, optional={"name": st.text(max_size=4), "schema": schemas,
+                                                                "strict": st.booleans()}) | values},
+) | values
+logit_bias = st.dictionaries(st.integers(-3, 60000).map(str) | st.text(max_size=4), st.floats(-150, 150),
+                             max_size=3) | values
 sampling = {
     "model": st.sampled_from(["tiny", "other"]) | values,
+    "logit_bias": logit_bias, "response_format": response_format, "structured_outputs": structured_outputs,
+    "guided_json": schemas, "guided_regex": regexes, "guided_grammar": grammars,
+    "guided_choice": st.lists(st.text(max_size=4), max_size=3) | values,
+    "guided_decoding_backend": st.sampled_from(["xgrammar", "outlines"]) | values,
+    "prompt_logprobs": small_int | values, "return_token_ids": st.booleans() | values,
+    "truncate_prompt_tokens": small_int | values, "truncation_side": st.sampled_from(["left", "right"]) | values,
+    "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans(),
+                                                          "continuous_usage_stats": st.booleans()}) | values,
+    "use_beam_search": st.booleans() | values, "return_tokens_as_token_ids": st.booleans() | values,
     "max_tokens": small_int | values, "n": small_int | values, "temperature": st.floats(-1, 3) | values,
     "top_p": st.floats(-0.5, 1.5) | values, "top_k": small_int | values, "min_p": st.floats(-1, 2),
     "seed": small_int, "stop": st.text(max_size=4) | st.lists(st.text(max_size=4), max_size=3) | values,
-    "stream": st.booleans() | values, "stream_options": st.just({"include_usage": True}) | values,
+    "stream": st.booleans() | values,
     "presence_penalty": st.floats(-3, 3), "frequency_penalty": st.floats(-3, 3),
     "repetition_penalty": st.floats(-1, 3), "min_tokens": small_int, "ignore_eos": st.booleans() | values,
-    "logit_bias": values, "stop_token_ids": st.lists(small_int, max_size=3) | values,
+    "stop_token_ids": st.lists(small_int, max_size=3) | values,
     "skip_special_tokens": st.booleans() | values, "user": values,
 }
 completion_bodies = st.fixed_dictionaries({}, optional={
@@ -238,14 +265,28 @@ completion_bodies = st.fixed_dictionaries({}, optional={
     | st.lists(st.text(max_size=8), max_size=3) | values,
     "logprobs": small_int | values, "echo": st.booleans() | values, "best_of": small_int, "suffix": values,
 })
+tool_calls = st.lists(st.fixed_dictionaries({"id": st.text(max_size=4), "type": st.just("function"), "function":
+                                             st.fixed_dictionaries({"name": st.text(max_size=4),
+                                                                    "arguments": st.text(max_size=8) | values})}),
+                      max_size=2) | values
 messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "tool"]) | values},
-                                          optional={"content": st.text(max_size=20) | values, "name": values}),
+                                          optional={"content": st.text(max_size=20) | values, "name": values,
+                                                    "tool_calls": tool_calls, "tool_call_id": values}),
                     max_size=3) | values
+functions = st.fixed_dictionaries({"name": st.text(min_size=1, max_size=6)},
+                                  optional={"parameters": schemas, "description": st.text(max_size=5)}) | values
+tools = st.lists(st.fixed_dictionaries({"type": st.just("function") | values, "function": functions}), max_size=2) \
+    | values
+tool_choice = st.sampled_from(["none", "auto", "required"]) | st.fixed_dictionaries(
+    {"type": st.just("function"), "function": st.fixed_dictionaries({"name": st.text(max_size=6)})}) | values
 chat_bodies = st.fixed_dictionaries({}, optional={
     **sampling,
     "messages": messages, "logprobs": st.booleans() | values, "top_logprobs": small_int | values,
-    "max_completion_tokens": small_int | values, "tools": values, "response_format": values,
-    "add_generation_prompt": st.booleans() | values, "chat_template_kwargs": values,
+    "max_completion_tokens": small_int | values, "tools": tools, "tool_choice": tool_choice,
+    "parallel_tool_calls": st.booleans() | values, "functions": st.lists(functions, max_size=2) | values,
+    "function_call": st.sampled_from(["none", "auto"]) | values, "add_generation_prompt": st.booleans() | values,
+    "continue_final_message": st.booleans() | values, "echo": st.booleans() | values,
+    "chat_template_kwargs": values, "documents": values,
 })
 
 

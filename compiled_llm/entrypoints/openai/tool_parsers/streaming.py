@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from compiled_llm.entrypoints.openai.tool_parsers.base import ParsedText
+from compiled_llm.entrypoints.openai.tool_parsers.base import ParsedText, is_valid_call
 from compiled_llm.logger import init_logger
 from compiled_llm.utils import random_uuid
 
@@ -52,6 +52,8 @@ class ToolCallStreamer:
     def update(self, text: str, final: bool) -> tuple[str, list[ToolCallDelta]]:
         """(new content, new tool-call deltas) since the last update."""
         parsed = self.parse(text, final)
+        if final and not self.calls and not (parsed.calls and all(is_valid_call(c) for c in parsed.calls)):
+            parsed = ParsedText(text)  # no call after all: it is all content (as `ToolParser.extract` says)
         content = ""
         if parsed.content.startswith(self.content):
             content = parsed.content[len(self.content) :]
