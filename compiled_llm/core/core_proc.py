@@ -98,8 +98,9 @@ def _salvage_id(kind: RequestType, frame: bytes) -> str | int | None:
 class EngineCoreProc:
     """The busy loop around an `EngineCore`, with its two socket threads."""
 
-    def __init__(self, engine: EngineCore, input_address: str, output_address: str) -> None:
+    def __init__(self, engine: EngineCore, input_address: str, output_address: str, engine_index: int = 0) -> None:
         self.engine = engine
+        self.engine_index = engine_index  # stamped on every output (data parallelism)
         self.input_queue: queue.Queue[tuple[RequestType, Any]] = queue.Queue()
         self.output_queue: queue.Queue[EngineCoreOutputs | None] = queue.Queue()
         self._stop_input = threading.Event()
@@ -214,6 +215,7 @@ class EngineCoreProc:
                 outputs = self.output_queue.get()
                 if outputs is None:
                     break
+                outputs.engine_index = self.engine_index
                 sock.send(encoder.encode(outputs), copy=False)
         finally:
             sock.close(linger=1000)
@@ -237,12 +239,14 @@ def _watch_parent(conn: Connection) -> None:
 
 
 def run_engine_core(
-    config: EngineConfig, input_address: str, output_address: str, conn: Connection
+    config: EngineConfig, input_address: str, output_address: str, conn: Connection, engine_index: int = 0
 ) -> None:
-    """Entry point of the engine process (multiprocessing, spawn context)."""
+    """Entry point of the engine process (multiprocessing, spawn context); `engine_index`: its place
+    in a data-parallel group."""
     from setproctitle import setproctitle
 
-    setproctitle(ENGINE_PROC_TITLE)
+    setproctitle(ENGINE_PROC_TITLE if config.parallel_config.data_parallel_size == 1
+                 else f"{ENGINE_PROC_TITLE}_DP{engine_index}")
     signal.signal(signal.SIGTERM, _exit_on_signal)
     signal.signal(signal.SIGINT, _exit_on_signal)
     threading.Thread(target=_watch_parent, args=(conn,), name="ParentWatch", daemon=True).start()
@@ -258,7 +262,7 @@ def run_engine_core(
             logger.exception("Engine core failed to start.")
         conn.send_bytes(encoder.encode(Handshake(ok=False, error=f"{type(e).__name__}: {e}")))
         raise SystemExit(1) from None
-    proc = EngineCoreProc(engine, input_address, output_address)
+    proc = EngineCoreProc(engine, input_address, output_address, engine_index)
     conn.send_bytes(
         encoder.encode(
             Handshake(

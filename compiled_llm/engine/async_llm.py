@@ -19,6 +19,7 @@ from compiled_llm.config import EngineConfig
 from compiled_llm.engine.arg_utils import EngineArgs
 from compiled_llm.engine.chat_templates import ChatTemplateRenderer
 from compiled_llm.engine.core_client import AsyncMPClient, EngineDeadError
+from compiled_llm.engine.dp_client import DPAsyncMPClient
 from compiled_llm.engine.metrics import EngineMetrics
 from compiled_llm.engine.output_processor import OutputProcessor
 from compiled_llm.engine.processor import Processor, PromptType
@@ -88,7 +89,11 @@ class AsyncLLM:
         self.output_processor.on_output = self.metrics.on_output
         # One thread: HF tokenizers are not meant to be used from several threads at once.
         self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
-        self.client = AsyncMPClient(config, engine_timeout_s)
+        # One engine core process, or a data-parallel group of them behind this frontend.
+        self.client: AsyncMPClient | DPAsyncMPClient = (
+            DPAsyncMPClient(config, engine_timeout_s) if config.parallel_config.data_parallel_size > 1
+            else AsyncMPClient(config, engine_timeout_s)
+        )
         # Started once the engine is up, so that they load while the server starts.
         self.chat_renderer = ChatTemplateRenderer(config.model_config.model)
         self._streams: dict[str, RequestStream] = {}
@@ -191,7 +196,7 @@ class AsyncLLM:
         self._streams.pop(request_id, None)
 
     async def reset_prefix_cache(self) -> bool:
-        return await self.client.call_utility_async("reset_prefix_cache")
+        return await self.client.reset_prefix_cache_async()
 
     # ---- tokenizer work, off the event loop --------------------------------------------------
     async def _in_tokenizer_thread(self, fn: Callable[..., Any], *args: Any) -> Any:

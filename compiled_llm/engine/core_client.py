@@ -91,8 +91,19 @@ class AsyncMPClient:
     Construction blocks until the engine is ready and raises `EngineStartupError` if it is not.
     """
 
-    def __init__(self, config: EngineConfig, engine_timeout_s: float = 120.0) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        engine_timeout_s: float = 120.0,
+        engine_index: int = 0,
+        outputs: asyncio.Queue | None = None,
+        wait_ready: bool = True,
+    ) -> None:
+        """`engine_index`, `outputs`: this engine's place in a data-parallel group, and the queue
+        the group's outputs share. `wait_ready=False`: return once the process started; call
+        `wait_ready()` (several engines start at once that way)."""
         self.engine_timeout_s = engine_timeout_s
+        self.engine_index = engine_index
         # The one record of the engine's death (the frontend reads it from here).
         self.dead_error: EngineDeadError | None = None
         self._dead_listeners: list[asyncio.Future[EngineDeadError]] = []
@@ -109,7 +120,7 @@ class AsyncMPClient:
         self.output_socket = zmq.asyncio.Context.shadow(self._ctx).socket(zmq.PULL)
         self.output_socket.bind(output_address)
         self._encoder = msgspec.msgpack.Encoder()
-        self._outputs: asyncio.Queue[EngineCoreOutputs | EngineDeadError] = asyncio.Queue()
+        self._outputs: asyncio.Queue[EngineCoreOutputs | EngineDeadError] = outputs or asyncio.Queue()
         self._receiver: asyncio.Task | None = None
         self._in_flight: set[str] = set()
         self._last_heard = time.monotonic()
@@ -125,9 +136,10 @@ class AsyncMPClient:
         self.proc = mp.Process(
             target=run_engine_core,
             name="EngineCore",
-            args=(config, input_address, output_address, child_conn),
+            args=(config, input_address, output_address, child_conn, engine_index),
         )
-        started = time.perf_counter()
+        self._config = config
+        self._started = time.perf_counter()
         self.proc.start()
         child_conn.close()
         # Runs at interpreter exit before multiprocessing joins its children, so a forgotten
@@ -135,19 +147,29 @@ class AsyncMPClient:
         self._finalizer = multiprocessing.util.Finalize(
             self, _stop_engine, args=(self.proc, self._conn, self._folder), exitpriority=10
         )
+        if wait_ready:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Block until the engine is ready; `EngineStartupError` (and the process stopped) if not."""
         try:
             handshake = self._wait_for_handshake()
         except BaseException:
             self.shutdown()
             raise
-        config.cache_config.num_blocks = handshake.num_blocks
-        total = time.perf_counter() - started
+        self._config.cache_config.num_blocks = handshake.num_blocks
+        total = time.perf_counter() - self._started
         logger.info(
-            "Engine core (pid %d) ready in %.1f s: process start and imports %.1f s, weights %.1f s, "
+            "Engine core %d (pid %d) ready in %.1f s: process start and imports %.1f s, weights %.1f s, "
             "KV cache %.1f s, compile or warm-up %.1f s.",
-            self.proc.pid, total, total - handshake.startup_seconds, handshake.load_seconds, handshake.kv_seconds,
-            handshake.startup_seconds - handshake.load_seconds - handshake.kv_seconds,
+            self.engine_index, self.proc.pid, total, total - handshake.startup_seconds, handshake.load_seconds,
+            handshake.kv_seconds, handshake.startup_seconds - handshake.load_seconds - handshake.kv_seconds,
         )
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests sent and not finished: this engine's load, as the frontend sees it."""
+        return len(self._in_flight)
 
     def _wait_for_handshake(self) -> Handshake:
         ready = multiprocessing.connection.wait([self._conn, self.proc.sentinel])

@@ -21,6 +21,11 @@ from compiled_llm.sampling_params import SamplingParams
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        if config.parallel_config.data_parallel_size > 1:
+            raise ValueError(
+                "data_parallel_size > 1 runs several engine processes behind `compiled-llm serve`; the offline "
+                "LLM steps one engine (use tensor_parallel_size to spread one model over several ranks)."
+            )
         self.config = config
         self.tokenizer = get_tokenizer(config.model_config.model)
         self.processor = Processor(config.model_config, self.tokenizer, config.scheduler_config.policy)

@@ -57,6 +57,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     # Replies to utility calls: (call id, result, error message)
     utility_output: tuple[int, object, str | None] | None = None
     engine_dead: bool = False
+    engine_index: int = 0  # which engine of a data-parallel group sent it
 
 
 class RequestType(bytes, enum.Enum):
