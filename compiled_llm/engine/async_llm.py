@@ -85,7 +85,8 @@ class AsyncLLM:
         self.tokenizer = get_tokenizer(config.model_config.model)
         self.processor = Processor(self.model_config, self.tokenizer, config.scheduler_config.policy)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.metrics = EngineMetrics(self.model_config.served_model_name, self.model_config.max_model_len)
+        self.metrics = EngineMetrics(self.model_config.served_model_name, self.model_config.max_model_len,
+                                     config.parallel_config.data_parallel_size)
         self.output_processor.on_output = self.metrics.on_output
         # One thread: HF tokenizers are not meant to be used from several threads at once.
         self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
@@ -234,12 +235,13 @@ class AsyncLLM:
         try:
             while True:
                 outputs = await self.client.get_output_async()
+                self.metrics.engine = outputs.engine_index  # the per-request metrics of this batch's engine
                 if outputs.outputs:
                     processed = self.output_processor.process_outputs(outputs.outputs)
                     if processed.reqs_to_abort:
                         await self.client.abort_requests_async(processed.reqs_to_abort)
                 if outputs.scheduler_stats is not None:
-                    self.metrics.record_scheduler_stats(outputs.scheduler_stats)
+                    self.metrics.record_scheduler_stats(outputs.scheduler_stats, outputs.engine_index)
         except EngineDeadError as e:
             self._fail_all(e)
         except Exception as e:

@@ -5,12 +5,17 @@ KV-cache usage, prefix-cache lookups, the step's token count) and the `OutputPro
 `on_output` hook (tokens and per-request latencies, measured where the user sees them). Each
 instance has its own `CollectorRegistry`, so several servers (or tests) can live in one process.
 
+Every series carries vLLM's two labels, `model_name` and `engine` (the engine's index in a
+data-parallel group, "0" with one engine): a group's totals are the sums over `engine`.
+
 A request's phases, as vLLM splits them: queued (arrival to first scheduled, which the engine
 core reports with the request's first output), prefill (scheduled to first token), decode (first
 to last token); inference is prefill and decode together.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -42,19 +47,35 @@ def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
         scale *= 10
 
 
+class PerEngine:
+    """One metric family's series for each engine, made on first use."""
+
+    def __init__(self, family: Any, model_name: str) -> None:
+        self.family = family
+        self.model_name = model_name
+        self._series: dict[int, Any] = {}
+
+    def __getitem__(self, engine: int) -> Any:
+        series = self._series.get(engine)
+        if series is None:
+            series = self._series[engine] = self.family.labels(self.model_name, str(engine))
+        return series
+
+
 class EngineMetrics:
-    def __init__(self, model_name: str, max_model_len: int = 1 << 17) -> None:
+    def __init__(self, model_name: str, max_model_len: int = 1 << 17, num_engines: int = 1) -> None:
         self.registry = CollectorRegistry()
-        reg, labels = self.registry, ["model_name"]
+        reg, labels = self.registry, ["model_name", "engine"]
+        self.engine = 0  # the engine whose outputs are being recorded (set by the output handler)
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + name, doc, labels, registry=reg).labels(model_name)
+        def gauge(name: str, doc: str) -> PerEngine:
+            return PerEngine(Gauge(PREFIX + name, doc, labels, registry=reg), model_name)
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(PREFIX + name, doc, labels, registry=reg).labels(model_name)
+        def counter(name: str, doc: str) -> PerEngine:
+            return PerEngine(Counter(PREFIX + name, doc, labels, registry=reg), model_name)
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=reg).labels(model_name)
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> PerEngine:
+            return PerEngine(Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=reg), model_name)
 
         token_buckets = buckets_1_2_5(max_model_len)
         self.num_requests_running = gauge("num_requests_running", "Requests in the model's running batch.")
@@ -66,8 +87,8 @@ class EngineMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that started generating.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self._request_success = Counter(
-            PREFIX + "request_success", "Finished requests, by finish reason.", ["model_name", "finished_reason"],
-            registry=reg,
+            PREFIX + "request_success", "Finished requests, by finish reason.",
+            ["model_name", "engine", "finished_reason"], registry=reg,
         )
         self._model_name = model_name
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens (prompt and generated) per engine step.",
@@ -113,20 +134,24 @@ class EngineMetrics:
         self._last_output_time: dict[str, float] = {}
         self._scheduled_time: dict[str, float] = {}
         self._parents: dict[str, list[int]] = {}  # user request id -> its finished samples' token counts
-        self._preemptions_seen = 0
+        self._preemptions_seen: dict[int, int] = {}
+        for engine in range(num_engines):  # every engine's gauges exist from the start, at 0
+            for metric in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage_perc):
+                metric[engine].set(0)
 
-    def record_scheduler_stats(self, stats: SchedulerStats) -> None:
-        self.num_requests_running.set(stats.num_running_reqs)
-        self.num_requests_waiting.set(stats.num_waiting_reqs)
-        self.kv_cache_usage_perc.set(stats.kv_cache_usage)
-        self.prefix_cache_queries.inc(stats.prefix_cache_queries)
-        self.prefix_cache_hits.inc(stats.prefix_cache_hits)
+    def record_scheduler_stats(self, stats: SchedulerStats, engine: int = 0) -> None:
+        self.num_requests_running[engine].set(stats.num_running_reqs)
+        self.num_requests_waiting[engine].set(stats.num_waiting_reqs)
+        self.kv_cache_usage_perc[engine].set(stats.kv_cache_usage)
+        self.prefix_cache_queries[engine].inc(stats.prefix_cache_queries)
+        self.prefix_cache_hits[engine].inc(stats.prefix_cache_hits)
         # The scheduler's count is a running total.
-        self.num_preemptions.inc(max(stats.num_preemptions - self._preemptions_seen, 0))
-        self._preemptions_seen = stats.num_preemptions
+        seen = self._preemptions_seen.get(engine, 0)
+        self.num_preemptions[engine].inc(max(stats.num_preemptions - seen, 0))
+        self._preemptions_seen[engine] = stats.num_preemptions
         step_tokens = stats.num_prompt_tokens + stats.num_generation_tokens
         if step_tokens > 0:
-            self.iteration_tokens.observe(step_tokens)
+            self.iteration_tokens[engine].observe(step_tokens)
 
     def on_output(self, state: RequestState, out: EngineCoreOutput) -> None:
         """`OutputProcessor.on_output`: called after each engine output has been applied to `state`."""
@@ -137,42 +162,42 @@ class EngineMetrics:
         if out.new_token_ids and m.last_token_time is not None:
             previous = self._last_output_time.get(rid)
             if previous is None:
-                self.prompt_tokens.inc(len(state.prompt_token_ids))
+                self.prompt_tokens[self.engine].inc(len(state.prompt_token_ids))
                 if m.first_token_time is not None:
-                    self.time_to_first_token.observe(m.first_token_time - m.arrival_time)
+                    self.time_to_first_token[self.engine].observe(m.first_token_time - m.arrival_time)
             else:
-                self.inter_token_latency.observe(m.last_token_time - previous)
-                self.time_per_output_token.observe(m.last_token_time - previous)
+                self.inter_token_latency[self.engine].observe(m.last_token_time - previous)
+                self.time_per_output_token[self.engine].observe(m.last_token_time - previous)
             self._last_output_time[rid] = m.last_token_time
-            self.generation_tokens.inc(len(out.new_token_ids))
+            self.generation_tokens[self.engine].inc(len(out.new_token_ids))
         if m.finished_time is not None:
             self._last_output_time.pop(rid, None)
             # A finish the engine did not report is a stop string found here.
             reason = out.finish_reason or "stop"
-            self._request_success.labels(self._model_name, reason).inc()
-            self.e2e_request_latency.observe(m.finished_time - m.arrival_time)
+            self._request_success.labels(self._model_name, str(self.engine), reason).inc()
+            self.e2e_request_latency[self.engine].observe(m.finished_time - m.arrival_time)
             self._record_finished(state, self._scheduled_time.pop(rid, None))
 
     def _record_finished(self, state: RequestState, scheduled: float | None) -> None:
         m = state.metrics
         num_generated = len(state.token_ids)
-        self.request_prompt_tokens.observe(len(state.prompt_token_ids))
-        self.request_generation_tokens.observe(num_generated)
+        self.request_prompt_tokens[self.engine].observe(len(state.prompt_token_ids))
+        self.request_generation_tokens[self.engine].observe(num_generated)
         if state.params.max_tokens is not None:
-            self.request_params_max_tokens.observe(state.params.max_tokens)
+            self.request_params_max_tokens[self.engine].observe(state.params.max_tokens)
         self._record_user_request(state, num_generated)
         if scheduled is None:  # aborted before it ran
             return
         first = m.first_token_time or m.finished_time or scheduled
         last = m.last_token_time or first
-        self.request_queue_time.observe(max(scheduled - m.arrival_time, 0.0))
-        self.request_prefill_time.observe(max(first - scheduled, 0.0))
-        self.request_decode_time.observe(max(last - first, 0.0))
-        self.request_inference_time.observe(max(last - scheduled, 0.0))
+        self.request_queue_time[self.engine].observe(max(scheduled - m.arrival_time, 0.0))
+        self.request_prefill_time[self.engine].observe(max(first - scheduled, 0.0))
+        self.request_decode_time[self.engine].observe(max(last - first, 0.0))
+        self.request_inference_time[self.engine].observe(max(last - scheduled, 0.0))
         if state.prompt_token_ids:
-            self.time_per_prefill_token.observe(max(first - scheduled, 0.0) / len(state.prompt_token_ids))
+            self.time_per_prefill_token[self.engine].observe(max(first - scheduled, 0.0) / len(state.prompt_token_ids))
         if num_generated > 1:
-            self.request_time_per_output_token.observe(max(last - first, 0.0) / (num_generated - 1))
+            self.request_time_per_output_token[self.engine].observe(max(last - first, 0.0) / (num_generated - 1))
 
     def _record_user_request(self, state: RequestState, num_generated: int) -> None:
         """n and the longest sample, once per user request (whose n samples run as n engine requests)."""
@@ -182,5 +207,5 @@ class EngineMetrics:
         if len(counts) < n:
             return
         del self._parents[state.external_id]
-        self.request_params_n.observe(n)
-        self.request_max_num_generation_tokens.observe(max(counts))
+        self.request_params_n[self.engine].observe(n)
+        self.request_max_num_generation_tokens[self.engine].observe(max(counts))
