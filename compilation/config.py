@@ -14,8 +14,14 @@ DEFAULT_SPLITTING_OPS = ("compiled_llm::attention",)
 # On a CPU, batch-1 decode is dominated by Python overhead around small pieces: dropping the
 # generated size/stride asserts saved ~10% of a SmolLM2 decode step; cpp_wrapper did not help;
 # freezing cannot be saved as a standalone artifact (torch 2.13), so it cannot be cached.
+# `cpp.threads: 1`: Inductor's own kernels (norms, rotary, SiLU: a few percent of any step) run on
+# the calling thread. Generated for N threads, each would open an OpenMP region even for the one
+# row of a batch-1 decode: 120 more fork/join barriers a step, and on a loaded machine a barrier
+# waits for a descheduled thread (decode steps 3-6x slower). The matmuls and attention keep every
+# thread (the C++ kernels parallelise themselves), and the artifacts no longer depend on the thread
+# count they were compiled with, which the cache key does not record.
 DEFAULT_INDUCTOR_OPTIONS: dict[str, dict[str, Any]] = {
-    "cpu": {"size_asserts": False},
+    "cpu": {"size_asserts": False, "cpp.threads": 1},
     "cuda": {},
 }
 

@@ -97,7 +97,15 @@ def paged_attention(
         )
         output[:num_decodes] = out.view(num_decodes, num_heads, head_dim)
 
-    for i in range(num_decodes, metadata.num_reqs):
+    if metadata.num_reqs > num_decodes and not reference and _use_cpp(kv_cache) and query.stride(1) == head_dim:
+        torch.ops.compiled_llm_cpu.paged_prefill_attention(
+            output, query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
+            metadata.query_start_loc, num_decodes, scale,
+        )
+        prefills = range(0)
+    else:
+        prefills = range(num_decodes, metadata.num_reqs)
+    for i in prefills:
         start, end = int(starts[i]), int(starts[i + 1])
         query_len, seq_len = end - start, int(seq_lens[i])
         if query_len == 0:

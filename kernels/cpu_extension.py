@@ -1,9 +1,9 @@
-"""Builds and loads the C++ CPU kernels (kernels/csrc: paged attention, decode-sized linear) once
-per machine.
+"""Builds and loads the C++ CPU kernels (kernels/csrc: paged decode and prefill attention, the
+packed-weight linear) once per machine.
 
-The build (about 20 s) lands under the user cache dir, keyed by the source and torch version,
-and is shared by every later process. Without a working compiler the engine falls back to the
-torch implementation, with one warning.
+The build (about a minute) lands under the user cache dir, keyed by the sources, the torch version
+and the CPU's feature flags, and is shared by every later process on the machine. Without a
+working compiler the engine falls back to the torch implementation, with one warning.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import platform
 from functools import lru_cache
 from pathlib import Path
 
@@ -19,16 +20,31 @@ import torch
 logger = logging.getLogger("compiled_llm.kernels")
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = [_CSRC / "cpu_attention.cpp", _CSRC / "cpu_linear.cpp"]
-_HEADERS = [_CSRC / "simd.h"]
-# -fopenmp: at::parallel_for is an inline OpenMP template; without it the kernels run serially.
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"]
+_SOURCES = [_CSRC / "cpu_attention.cpp", _CSRC / "cpu_prefill_attention.cpp", _CSRC / "cpu_gemm.cpp"]
+_HEADERS = [_CSRC / "simd.h", _CSRC / "parallel.h", _CSRC / "vec.h"]
+# -march=native: the kernels pick their vector width (AVX2 or AVX-512) from the CPU they are built
+# on; the folder's hash covers the flags, and the cache key's device factor the CPU's vector ISA.
+# No OpenMP: the kernels share out their work through their own pool (csrc/parallel.h).
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast"]
+
+
+def cpu_flags() -> str:
+    """The CPU's feature flags (Linux: /proc/cpuinfo), sorted: a -march=native build runs only on a
+    CPU that has every one its compiler used."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("flags", "Features"):
+                return " ".join(sorted(value.split()))
+    except OSError:
+        pass
+    return platform.machine() + " " + platform.processor()
 
 
 def build_dir() -> Path:
     from compiled_llm.utils import user_cache_dir
 
-    h = hashlib.sha256(" ".join(_FLAGS).encode() + torch.__version__.encode())
+    h = hashlib.sha256(" ".join(_FLAGS).encode() + torch.__version__.encode() + cpu_flags().encode())
     for path in _SOURCES + _HEADERS:
         h.update(path.read_bytes())
     return user_cache_dir() / "torch_extensions" / f"cpu_kernels-{h.hexdigest()[:16]}"
@@ -37,9 +53,9 @@ def build_dir() -> Path:
 def _register_fakes() -> None:
     """Shapes of the ops that return tensors, for tracing (Dynamo and Inductor use fake tensors)."""
 
-    @torch.library.register_fake("compiled_llm_cpu::linear")
-    def _linear_fake(x, weight, bias):
-        return x.new_empty(x.shape[0], weight.shape[0])
+    @torch.library.register_fake("compiled_llm_cpu::packed_linear")
+    def _packed_linear_fake(x, packed, bias, out_features):
+        return x.new_empty(*x.shape[:-1], out_features)
 
 
 @lru_cache(maxsize=1)
@@ -57,7 +73,6 @@ def cpu_kernels_available() -> bool:
             sources=[str(p) for p in _SOURCES],
             extra_include_paths=[str(_CSRC)],
             extra_cflags=_FLAGS,
-            extra_ldflags=["-fopenmp"],
             build_directory=str(folder),
             is_python_module=False,
             verbose=False,

@@ -17,7 +17,7 @@ from compiled_llm.config import rope_parameters
 from compiled_llm.models.layers.activation import SiluAndMul
 from compiled_llm.models.layers.attention import Attention
 from compiled_llm.models.layers.layernorm import RMSNorm
-from compiled_llm.models.layers.linear import linear
+from compiled_llm.models.layers.linear import linear, pack_weight
 from compiled_llm.models.layers.parallel import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -138,8 +138,10 @@ class LlamaForCausalLM(nn.Module):
         self.model = DecoderModel(config, self.biases(config), self.qk_norm, cpu_kernels)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.cpu_kernels = cpu_kernels
+        self.packed_lm_head: torch.Tensor | None = None  # set by process_weights_after_loading
         # This rank's slice of the vocabulary, as the embedding's (all of it without tensor parallelism).
-        self.lm_head = None if self.tie_word_embeddings else ColumnParallelLinear(config.hidden_size, config.vocab_size)
+        self.lm_head = None if self.tie_word_embeddings else ColumnParallelLinear(config.hidden_size, config.vocab_size,
+                                                                                    cpu_kernel=cpu_kernels)
 
     @classmethod
     def biases(cls, config: Any) -> Biases:
@@ -156,7 +158,15 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the whole vocabulary, on every rank."""
-        return gather_logits(linear(hidden, self.lm_head_weight, None, self.cpu_kernels), self.config.vocab_size)
+        packed = self.packed_lm_head if self.lm_head is None else self.lm_head.packed_weight
+        local = linear(hidden, self.lm_head_weight, None, self.cpu_kernels, packed)
+        return gather_logits(local, self.config.vocab_size)
+
+    def process_weights_after_loading(self) -> None:
+        """With the C++ CPU kernels, a tied output projection gets a packed copy of the embedding
+        table (which keeps its own layout for the lookups); an untied one packs itself."""
+        tied = self.lm_head is None
+        self.packed_lm_head = pack_weight(self.lm_head_weight) if tied and self.cpu_kernels else None
 
     # Checkpoint name fragments that load into one shard of a fused parameter.
     stacked_params = (

@@ -116,9 +116,19 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
                 param.copy_(cpu)
 
 
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Once the weights are in: let every layer that has one run its post-load step (the linear
+    layers pack their weights for the C++ CPU kernels), as vLLM's loader does."""
+    with torch.no_grad():
+        for module in model.modules():
+            step = getattr(module, "process_weights_after_loading", None)
+            if callable(step):
+                step()
+
+
 def build_model(config: ModelConfig, device: torch.device, cpu_kernels: bool = False) -> nn.Module:
-    """The model of `config`, with weights (or random ones for `load_format="dummy"`), in eval mode.
-    `cpu_kernels`: its linear layers call this project's C++ CPU kernel."""
+    """The model of `config`, with weights (or random ones for `load_format="dummy"`), processed
+    after loading, in eval mode. `cpu_kernels`: its linear layers call this project's C++ CPU kernels."""
     load_format = config.load_format
     cls = model_class(config.architecture)
     with _default_dtype(config.dtype), torch.device(device):
@@ -129,4 +139,5 @@ def build_model(config: ModelConfig, device: torch.device, cpu_kernels: bool = F
         load_weights(model, iterate_checkpoint(Path(config.model)))
     else:
         raise ValueError(f"Unknown load_format {load_format!r}; use auto or dummy.")
+    process_weights_after_loading(model)
     return model.eval()

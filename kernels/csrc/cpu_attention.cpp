@@ -2,15 +2,14 @@
 //
 // They read the paged cache in place (no gather into a contiguous copy) and do a whole batch in
 // one call, which is what makes decode fast on a CPU: the torch path spends most of a decode
-// layer on gathers and per-op overhead. Prefills keep using the torch path (SDPA), which is
-// compute-bound and already efficient.
+// layer on gathers and per-op overhead. Prefills have their own kernel
+// (cpu_prefill_attention.cpp).
 //
 // Layouts: query/key/value [tokens, heads, head_dim] (head_dim contiguous); key_cache and
 // value_cache [num_blocks, block_size, num_kv_heads, head_dim] (contiguous); block_tables
 // [num_reqs, max_blocks] int32; seq_lens [num_reqs] int32; slot_mapping [tokens] int64.
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -18,6 +17,7 @@
 #include <cstring>
 #include <vector>
 
+#include "parallel.h"
 #include "simd.h"
 
 namespace {
@@ -43,14 +43,12 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
   float* kc = key_cache.data_ptr<float>();
   float* vc = value_cache.data_ptr<float>();
   const int64_t ks = key.stride(0), vs = value.stride(0);
-  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; t++) {
-      const int64_t slot = slots[t];
-      if (slot < 0) continue;  // a padded token
-      std::memcpy(kc + slot * row, k + t * ks, row * sizeof(float));
-      std::memcpy(vc + slot * row, v + t * vs, row * sizeof(float));
-    }
-  });
+  for (int64_t t = 0; t < tokens; t++) {  // a few KB a token: one thread keeps up
+    const int64_t slot = slots[t];
+    if (slot < 0) continue;  // a padded token
+    std::memcpy(kc + slot * row, k + t * ks, row * sizeof(float));
+    std::memcpy(vc + slot * row, v + t * vs, row * sizeof(float));
+  }
 }
 
 // Decode attention for one request over KV heads [h0, h1): `group` query heads per KV head.
@@ -212,12 +210,15 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& query, const at::
   const int64_t work_items = num_reqs * per_req;
   int64_t total_positions = 0;
   for (int64_t r = 0; r < num_reqs; r++) total_positions += std::max<int32_t>(lens[r], 0);
-  // Small batches run on the calling thread: waking the pool costs more than the work.
+  // Chunks of work items of about 2^16 multiply-adds: a batch-1 decode over a short context is
+  // one chunk (on the calling thread), a long one is split over the threads.
   const int64_t cost_per_item = std::max<int64_t>(1, total_positions * num_heads * head_dim / std::max<int64_t>(work_items, 1));
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / cost_per_item);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / cost_per_item);
 
-  at::parallel_for(0, work_items, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+  const int64_t chunks = (work_items + grain - 1) / grain;
+  parallel_chunks(chunks, [&](int64_t chunk) {
+    thread_local std::vector<float> scores;
+    const int64_t begin = chunk * grain, end = std::min(work_items, begin + grain);
     for (int64_t work = begin; work < end; work++) {
       const int64_t r = work / per_req;
       const int64_t h0 = split_heads ? work % per_req : 0, h1 = split_heads ? h0 + 1 : num_kv_heads;

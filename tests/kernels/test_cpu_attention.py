@@ -1,10 +1,12 @@
-"""The C++ CPU kernels (KV write, decode attention) against the torch reference."""
+"""The C++ CPU kernels (KV write, decode and prefill attention) against the torch reference."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from compiled_llm.kernels.cpu_attention import paged_attention, write_kv_cache
 from compiled_llm.kernels.cpu_extension import cpu_kernels_available
@@ -82,3 +84,59 @@ def test_long_context_softmax_is_stable():
     got = paged_attention(q, k, v, cache, meta, 0.125)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    requests=st.lists(st.tuples(st.integers(1, 70), st.integers(0, 90)), min_size=1, max_size=5),
+    heads=st.sampled_from([(4, 4), (9, 3), (8, 1), (6, 2)]),
+    head_dim=st.sampled_from([64, 32, 128, 24]),
+    block_size=st.sampled_from([8, 16, 32]),
+    vector_width=st.sampled_from([8, 16]),  # AVX2's and AVX-512's, both run on any CPU
+    threads=st.sampled_from([1, 2]),
+)
+def test_prefill_kernel_matches_reference(requests, heads, head_dim, block_size, vector_width, threads):
+    """Ragged batches: decodes first, then prompts with and without cached context (chunked
+    prefill, prefix-cache hits), every GQA grouping and both vector widths."""
+    requests = sorted(requests, key=lambda r: r[0] != 1)
+    query_lens, context_lens = [q for q, _ in requests], [c for _, c in requests]
+    q, k, v, cache, meta = make_batch(query_lens, context_lens, *heads, head_dim, block_size)
+    write_kv_cache(k, v, cache, meta.slot_mapping)
+    ref = paged_attention(q, k, v, cache, meta, 0.3, reference=True)
+    out = torch.full_like(q, float("nan"))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.ops.compiled_llm_cpu.paged_prefill_attention(
+            out, q, cache[0], cache[1], meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.num_decodes,
+            0.3, vector_width,
+        )
+    finally:
+        torch.set_num_threads(before)
+    first = int(meta.query_start_loc[meta.num_decodes])
+    assert torch.isnan(out[:first]).all()  # decode rows are left to the decode kernel
+    torch.testing.assert_close(out[first:], ref[first:], rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_through_paged_attention_and_long_prompt():
+    q, k, v, cache, meta = make_batch([1, 300, 45], [20, 0, 500], 9, 3, 64, 16)
+    write_kv_cache(k, v, cache, meta.slot_mapping)
+    q *= 20  # large scores: the online softmax must rescale what it summed before
+    ref = paged_attention(q, k, v, cache, meta, 0.125, reference=True)
+    got = paged_attention(q, k, v, cache, meta, 0.125)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_prefill_kernel_rejects_bad_layouts():
+    q, k, v, cache, meta = make_batch([5], [0], 4, 2, 64, 16)
+    out = torch.empty_like(q)
+    args = (cache[0], cache[1], meta.block_tables, meta.seq_lens, meta.query_start_loc, 0, 0.1)
+    with pytest.raises(RuntimeError, match="query must be float32"):
+        torch.ops.compiled_llm_cpu.paged_prefill_attention(out, q.double(), *args)
+    with pytest.raises(RuntimeError, match="must be int32"):
+        torch.ops.compiled_llm_cpu.paged_prefill_attention(
+            out, q, cache[0], cache[1], meta.block_tables.long(), meta.seq_lens, meta.query_start_loc, 0, 0.1
+        )
+    with pytest.raises(RuntimeError, match="vector_width must be 0, 8 or 16"):
+        torch.ops.compiled_llm_cpu.paged_prefill_attention(out, q, *args, 4)
