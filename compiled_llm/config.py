@@ -30,9 +30,29 @@ _DTYPES = {
 }
 
 
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (Linux: /proc/cpuinfo; empty where it cannot be read)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("flags", "Features"):
+                return frozenset(value.split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_native_bf16() -> str | None:
+    """The CPU feature that runs bf16 matmuls natively (AMX or avx512_bf16), or None: without one,
+    bf16 matmuls are emulated and about 100x slower than float32."""
+    flags = cpu_flags()
+    return next((f for f in ("amx_bf16", "avx512_bf16") if f in flags), None)
+
+
 def resolve_dtype(dtype: str | torch.dtype, hf_config: Any, device: torch.device) -> torch.dtype:
-    """`auto` is float32 on a CPU (no native bf16 there); on a GPU the checkpoint's half-precision
-    dtype, and bfloat16 for a float32 checkpoint (as vLLM does)."""
+    """`auto` on a CPU: bfloat16 where the CPU has native bf16 (AMX or avx512_bf16), float32
+    elsewhere. On a GPU: the checkpoint's half-precision dtype, and bfloat16 for a float32
+    checkpoint (as vLLM does)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype != "auto":
@@ -40,13 +60,26 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: Any, device: torch.device
             raise ValueError(f"Unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16.")
         return _DTYPES[dtype]
     if device.type == "cpu":
-        return torch.float32
+        return torch.bfloat16 if cpu_native_bf16() else torch.float32
     checkpoint = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if isinstance(checkpoint, str):
         checkpoint = _DTYPES.get(checkpoint)
     if checkpoint in (None, torch.float32):
         return torch.bfloat16
     return checkpoint
+
+
+def describe_cpu_dtype(dtype: torch.dtype) -> str:
+    """Why a CPU engine runs in `dtype`, for the start-up log (what `auto` would pick, and why)."""
+    native = cpu_native_bf16()
+    name = str(dtype).removeprefix("torch.")
+    if dtype == torch.bfloat16:
+        return (f"{name}: the CPU has {native}" if native else
+                f"{name} as asked, but the CPU has no native bf16 (neither AMX nor avx512_bf16): matmuls run "
+                "about 100x slower than in float32")
+    if dtype != torch.float32 or native:
+        return f"{name} as asked (auto would pick " + (f"bfloat16: the CPU has {native}" if native else "float32") + ")"
+    return f"{name}: the CPU has no native bf16 (neither AMX nor avx512_bf16), where bf16 matmuls are ~100x slower"
 
 
 def rope_parameters(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
@@ -262,4 +295,12 @@ class EngineConfig:
 
 
 def default_num_threads() -> int:
-    return int(os.environ.get("COMPILED_LLM_NUM_THREADS", 0)) or (os.cpu_count() or 1)
+    """COMPILED_LLM_NUM_THREADS, else every core this process may run on (its CPU affinity: a
+    container's or taskset's limit, not the machine's core count)."""
+    configured = int(os.environ.get("COMPILED_LLM_NUM_THREADS", 0))
+    if configured:
+        return configured
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import platform
 from functools import lru_cache
 from pathlib import Path
 
@@ -28,23 +27,12 @@ _HEADERS = [_CSRC / "simd.h", _CSRC / "parallel.h", _CSRC / "vec.h"]
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=fast"]
 
 
-def cpu_flags() -> str:
-    """The CPU's feature flags (Linux: /proc/cpuinfo), sorted: a -march=native build runs only on a
-    CPU that has every one its compiler used."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() in ("flags", "Features"):
-                return " ".join(sorted(value.split()))
-    except OSError:
-        pass
-    return platform.machine() + " " + platform.processor()
-
-
 def build_dir() -> Path:
+    from compiled_llm.config import cpu_flags
     from compiled_llm.utils import user_cache_dir
 
-    h = hashlib.sha256(" ".join(_FLAGS).encode() + torch.__version__.encode() + cpu_flags().encode())
+    h = hashlib.sha256(" ".join(_FLAGS).encode() + torch.__version__.encode())
+    h.update(" ".join(sorted(cpu_flags())).encode())  # a -march=native build runs only where the CPU has them
     for path in _SOURCES + _HEADERS:
         h.update(path.read_bytes())
     return user_cache_dir() / "torch_extensions" / f"cpu_kernels-{h.hexdigest()[:16]}"

@@ -60,7 +60,8 @@ class EngineArgs:
     model: str | None = field(default=None, metadata={"positional": True, "help": (
         "Hugging Face model folder (default: the bundled SmolLM2-135M-Instruct).")})
     served_model_name: str | None = _setting(None, "The model's name in the API (default: the folder's name).")
-    dtype: str = _setting("auto", "auto: bf16 on a CPU with native bf16, else float32; on a GPU the checkpoint's.",
+    dtype: str = _setting("auto", "auto: bf16 on a CPU with native bf16 (AMX or avx512_bf16), else float32; on a "
+                                  "GPU the checkpoint's. The choice and its reason are logged at start-up.",
                           choices=["auto", "float32", "bfloat16", "float16"])
     device: str | None = _setting(None, "cpu or cuda (default: cuda when available).")
     seed: int = _setting(0, "Seed of the engine's random state.")
@@ -81,7 +82,8 @@ class EngineArgs:
         None, "KV-cache size (default: measured on a GPU, up to 2 GiB and a fifth of free memory on a CPU).")
     gpu_memory_utilization: float = _setting(CacheConfig.gpu_memory_utilization,
                                              "Share of the GPU's memory this engine may use.")
-    num_threads: int | None = _setting(None, "CPU threads (default: COMPILED_LLM_NUM_THREADS, else all cores).")
+    num_threads: int | None = _setting(None, "CPU threads of each engine process (default: COMPILED_LLM_NUM_THREADS, "
+                                             "else the cores this process may use, shared out over the ranks).")
     tensor_parallel_size: int = _setting(ParallelConfig.tensor_parallel_size,
                                          "Ranks that split the model (one process each; gloo on CPUs, NCCL on GPUs).",
                                          group="parallel", short="-tp")

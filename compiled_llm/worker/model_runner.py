@@ -21,7 +21,7 @@ import torch
 from compiled_llm.compilation.config import CUDAGraphMode
 from compiled_llm.compilation.cudagraph_dispatcher import CudagraphDispatcher
 from compiled_llm.compilation.forward_context import set_forward_context
-from compiled_llm.config import EngineConfig
+from compiled_llm.config import EngineConfig, describe_cpu_dtype
 from compiled_llm.distributed.communication import broadcast_from_driver
 from compiled_llm.distributed.parallel_state import tensor_parallel
 from compiled_llm.kernels.cpu_extension import uses_cpu_kernels
@@ -53,6 +53,9 @@ class ModelRunner:
         max_blocks_per_req = cdiv(mc.max_model_len, self.block_size)
         if self.device.type == "cpu" and config.num_threads:
             torch.set_num_threads(config.num_threads)
+        if self.device.type == "cpu":  # the C++ kernels share their work over these threads, unpinned
+            logger.info("CPU: %d threads (COMPILED_LLM_NUM_THREADS / --num-threads; default: the cores this process "
+                        "may use), not pinned; dtype %s.", torch.get_num_threads(), describe_cpu_dtype(mc.dtype))
         torch.manual_seed(mc.seed)
 
         started = time.perf_counter()
