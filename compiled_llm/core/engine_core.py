@@ -22,7 +22,7 @@ from compiled_llm.config import EngineConfig
 from compiled_llm.core.request import Request
 from compiled_llm.core.scheduler import Scheduler
 from compiled_llm.core.structured_outputs.manager import StructuredOutputManager
-from compiled_llm.core.structured_outputs.spec import validate_structured_outputs
+from compiled_llm.core.structured_outputs.spec import grammar_spec
 from compiled_llm.executor import make_executor
 from compiled_llm.logger import init_logger
 from compiled_llm.messages.engine_core import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
@@ -60,7 +60,10 @@ class EngineCore:
 
     def check_request(self, request: EngineCoreRequest) -> None:
         """Refuse (ValueError) what the model cannot run. The frontend checks the same first; the
-        engine checks again because a bad request here would kill it, and with it every other one."""
+        engine checks again because a bad request here would kill it, and with it every other one.
+        A structured outputs constraint is parsed when it is compiled, off the step loop (the first
+        one would stall every running request while xgrammar loads): a bad one ends its request
+        with an error naming the problem."""
         mc = self.config.model_config
         ids = request.prompt_token_ids
         if not ids:
@@ -79,7 +82,8 @@ class EngineCore:
         if bad_stops:
             raise ValueError(f"stop_token_ids holds {bad_stops[0]}, outside the vocabulary (size {mc.vocab_size}).")
         params.verify_for_model(mc.vocab_size, mc.max_logprobs)
-        validate_structured_outputs(params)
+        if params.structured_outputs is not None:
+            grammar_spec(params.structured_outputs)  # a schema that is not even JSON
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.check_request(request)
@@ -92,12 +96,12 @@ class EngineCore:
             request.arrival_time,
             request.priority,
         )
+        if self.structured_outputs is not None and request.request_id in self.structured_outputs:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
         if request.sampling_params.structured_outputs is None:
             self.scheduler.add_request(core_request)
             return
-        if request.request_id in self.scheduler.requests or (
-            self.structured_outputs is not None and request.request_id in self.structured_outputs
-        ):
+        if request.request_id in self.scheduler.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if self.structured_outputs is None:
             self.structured_outputs = StructuredOutputManager(

@@ -114,15 +114,35 @@ def test_a_bad_constraint_is_refused_before_the_engine_and_by_it(llm):
         llm.generate(["Hi"], SamplingParams(structured_outputs=SO(regex="(unclosed")), use_tqdm=False)
     with pytest.raises(ValueError, match="Unsupported type"):
         llm.generate(["Hi"], SamplingParams(structured_outputs=SO(json={"type": "objec"})), use_tqdm=False)
-    # Past the frontend (a peer writing to the engine's socket): the engine refuses it and lives on.
+    # Past the frontend (a peer writing to the engine's socket): the engine parses it off its step
+    # loop, ends the request with the reason, and lives on.
     core = llm.llm_engine.engine_core
     bad = EngineCoreRequest("bad", [1, 2, 3], SamplingParams(structured_outputs=SO(grammar="root ::= nothing")),
                             time.time())
-    with pytest.raises(ValueError, match='Rule "nothing" is not defined'):
-        core.add_request(bad)
+    core.add_request(bad)
+    deadline = time.monotonic() + 30
+    while not (refused := [o for o in core.step().outputs if o.request_id == "bad"]):
+        assert time.monotonic() < deadline
+    assert refused[0].finish_reason == "error" and 'Rule "nothing" is not defined' in refused[0].stop_reason
+    assert not core.has_unfinished_requests()
+    with pytest.raises(ValueError, match="not valid JSON"):  # what needs no grammar engine is refused at once
+        core.add_request(EngineCoreRequest("bad2", [1], SamplingParams(structured_outputs=SO(json="{")), time.time()))
     out = llm.generate(["Yes or no?"], SamplingParams(max_tokens=4, structured_outputs=SO(choice=["yes", "no"])),
                        use_tqdm=False)
     assert out[0].outputs[0].text in ("yes", "no")
+
+
+def test_ids_and_aborts_while_a_grammar_compiles(llm):
+    core = llm.llm_engine.engine_core
+    constrained = SamplingParams(structured_outputs=SO(regex="[a-z]{1,3} ?"))
+    waiting = EngineCoreRequest("w", [1, 2, 3], constrained, time.time())
+    core.add_request(waiting)  # waits for its grammar (nothing steps it here)
+    with pytest.raises(ValueError, match="already in use"):
+        core.add_request(EngineCoreRequest("w", [1, 2], SamplingParams(), time.time()))
+    with pytest.raises(ValueError, match="already in use"):
+        core.add_request(waiting)
+    core.abort_requests(["w"])
+    assert not core.has_unfinished_requests()
 
 
 @pytest.fixture(scope="module", params=[16 << 20, 9 * 8192], ids=["roomy", "preempting"])

@@ -71,3 +71,9 @@ def test_generate_prints_a_completion(real_model_path):
 def test_serve_reports_a_bad_model_folder(tmp_path):
     out = cli("serve", str(tmp_path / "missing"), "-O0")
     assert out.returncode == 1 and "does not exist" in out.stderr
+
+
+def test_auto_tool_choice_needs_a_parser():
+    """Refused before the engine starts, in one line naming the missing flag."""
+    out = cli("serve", "--enable-auto-tool-choice")
+    assert out.returncode == 1 and "--tool-call-parser" in out.stderr

@@ -13,7 +13,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from compiled_llm.core.structured_outputs.spec import GrammarSpec
+from compiled_llm.core.structured_outputs.spec import GrammarSpec, check_spec
 
 if TYPE_CHECKING:
     import xgrammar as xgr
@@ -60,6 +60,7 @@ class GrammarCompilerPool:
         return future
 
     def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        check_spec(spec)  # ValueError naming what xgrammar cannot parse or enforce
         compiler = self._compiler.result()
         self.num_compilations += 1
         if spec.kind == "json":

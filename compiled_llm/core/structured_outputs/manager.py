@@ -53,7 +53,9 @@ class StructuredOutputManager:
                 continue
             del self._waiting[rid]
             error = future.exception()
-            if error is not None:
+            if isinstance(error, ValueError):  # refused by validation (a peer past the frontend's)
+                failed.append((request, str(error)))
+            elif error is not None:
                 reason = f"The structured outputs constraint failed to compile: {xgrammar_message(error)}"
                 failed.append((request, reason))
             else:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from compiled_llm.engine.async_llm import RequestStream
 from compiled_llm.entrypoints.openai.errors import OpenAIError
@@ -25,6 +25,7 @@ from compiled_llm.entrypoints.openai.protocol import (
     CompletionResponseChoice,
 )
 from compiled_llm.entrypoints.openai.serving_engine import (
+    DONE,
     OpenAIServing,
     event_stream,
     final_output,
@@ -158,8 +159,6 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def _echo_only(self, request: CompletionRequest, prompts: list[Prompt]) -> Response:
         """`echo` with `max_tokens: 0` and no logprobs: the prompts back, without the engine."""
-        from fastapi.responses import JSONResponse
-
         n = request.n or 1
         choices = []
         for i, prompt in enumerate(prompts):
@@ -175,14 +174,13 @@ class OpenAIServingCompletion(OpenAIServing):
                                       choices=choices, usage=usage_info(num_prompt_tokens, 0))
         if not request.stream:
             return JSONResponse(response.model_dump())
-        from fastapi.responses import StreamingResponse
 
         async def events() -> AsyncIterator[str]:
             for choice in choices:
                 yield sse(response.model_copy(update={"choices": [choice], "usage": None}))
             if request.usage_in_stream:
                 yield sse(response.model_copy(update={"choices": []}))
-            yield "data: [DONE]\n\n"
+            yield DONE
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
