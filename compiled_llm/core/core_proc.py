@@ -9,7 +9,8 @@ structs, never pickles: a peer can send data, not code.
 
 Start-up: the client hands the process one end of a pipe. The process answers on it once, with a
 `Handshake` (ready, or the start-up error in words), and then watches it: when the client's end
-closes, because the client shut down or died, the engine exits too.
+closes, because the client shut down or died, the engine exits too. A Ray actor
+(`core_actor.py`) runs the same start and loop with Ray in place of the pipe.
 """
 
 from __future__ import annotations
@@ -238,6 +239,49 @@ def _watch_parent(conn: Connection) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
+def start_engine_core(
+    config: EngineConfig, input_address: str, output_address: str, engine_index: int = 0
+) -> tuple[EngineCoreProc | None, Handshake]:
+    """Build the engine and its socket threads; the handshake says whether that worked (and why
+    not). Shared by the local process below and the Ray actor (`core_actor.py`)."""
+    try:
+        engine = EngineCore(config, exit_on_worker_death=True)
+    except SystemExit:
+        raise
+    except BaseException as e:
+        from compiled_llm.compilation.compile_cache import CompileCacheError
+
+        if not isinstance(e, CompileCacheError):  # the user's to fix: the frontend says it in one line
+            logger.exception("Engine core failed to start.")
+        return None, Handshake(ok=False, error=f"{type(e).__name__}: {e}")
+    proc = EngineCoreProc(engine, input_address, output_address, engine_index)
+    return proc, Handshake(
+        ok=True,
+        num_blocks=config.cache_config.num_blocks or 0,
+        load_seconds=engine.runner.load_seconds,
+        kv_seconds=engine.kv_seconds,
+        startup_seconds=engine.startup_seconds,
+    )
+
+
+def serve_engine_core(proc: EngineCoreProc) -> int:
+    """Run the busy loop until SHUTDOWN (or a signal); returns the exit code."""
+    exit_code = 0
+    try:
+        proc.run_busy_loop()
+    except SystemExit:
+        pass
+    except BaseException:
+        logger.exception("Engine core died.")
+        proc.report_dead()
+        exit_code = 1
+    finally:
+        proc.shutdown()
+        proc.engine.shutdown()
+    logger.info("Engine core exited.")
+    return exit_code
+
+
 def run_engine_core(
     config: EngineConfig, input_address: str, output_address: str, conn: Connection, engine_index: int = 0
 ) -> None:
@@ -250,41 +294,11 @@ def run_engine_core(
     signal.signal(signal.SIGTERM, _exit_on_signal)
     signal.signal(signal.SIGINT, _exit_on_signal)
     threading.Thread(target=_watch_parent, args=(conn,), name="ParentWatch", daemon=True).start()
-    encoder = msgspec.msgpack.Encoder()
     try:
-        engine = EngineCore(config, exit_on_worker_death=True)
+        proc, handshake = start_engine_core(config, input_address, output_address, engine_index)
     except SystemExit:
         return
-    except BaseException as e:
-        from compiled_llm.compilation.compile_cache import CompileCacheError
-
-        if not isinstance(e, CompileCacheError):  # the user's to fix: the frontend says it in one line
-            logger.exception("Engine core failed to start.")
-        conn.send_bytes(encoder.encode(Handshake(ok=False, error=f"{type(e).__name__}: {e}")))
-        raise SystemExit(1) from None
-    proc = EngineCoreProc(engine, input_address, output_address, engine_index)
-    conn.send_bytes(
-        encoder.encode(
-            Handshake(
-                ok=True,
-                num_blocks=config.cache_config.num_blocks or 0,
-                load_seconds=engine.runner.load_seconds,
-                kv_seconds=engine.kv_seconds,
-                startup_seconds=engine.startup_seconds,
-            )
-        )
-    )
-    exit_code = 0
-    try:
-        proc.run_busy_loop()
-    except SystemExit:
-        pass
-    except BaseException:
-        logger.exception("Engine core died.")
-        proc.report_dead()
-        exit_code = 1
-    finally:
-        proc.shutdown()
-        engine.shutdown()
-    logger.info("Engine core exited.")
-    raise SystemExit(exit_code)
+    conn.send_bytes(msgspec.msgpack.encode(handshake))
+    if proc is None:
+        raise SystemExit(1)
+    raise SystemExit(serve_engine_core(proc))

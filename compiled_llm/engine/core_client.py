@@ -1,10 +1,11 @@
 """Clients of the engine core: in-process (offline `LLM`, tests) and in its own process over
 ZeroMQ with asyncio (the server).
 
-`AsyncMPClient` owns the engine process from spawn to join. It notices the engine's death (the
-process exits, reports an error, or sends nothing for `engine_timeout_s` while work is in
-flight), fails everything open with `EngineDeadError`, and on `shutdown()` stops and joins the
-process so that no child is left behind.
+`AsyncMPClient` owns the engine from start to stop, through an `EngineHandle` (a local process by
+default, a Ray actor in a Ray data-parallel group). It notices the engine's death (it exits,
+reports an error, or sends nothing for `engine_timeout_s` while work is in flight), fails
+everything open with `EngineDeadError`, and on `shutdown()` stops the engine so that nothing is
+left behind.
 """
 
 from __future__ import annotations
@@ -12,10 +13,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import multiprocessing
-import multiprocessing.connection
-import multiprocessing.util
-import shutil
-import tempfile
 import time
 from typing import Any
 
@@ -24,8 +21,9 @@ import zmq
 import zmq.asyncio
 
 from compiled_llm.config import EngineConfig
-from compiled_llm.core.core_proc import Handshake, run_engine_core, run_utility
+from compiled_llm.core.core_proc import run_utility
 from compiled_llm.core.engine_core import EngineCore
+from compiled_llm.engine.engine_process import EngineHandle, EngineProcess, EngineStartupError
 from compiled_llm.logger import init_logger
 from compiled_llm.messages.engine_core import EngineCoreOutputs, EngineCoreRequest, RequestType, UtilityRequest
 
@@ -38,8 +36,7 @@ class EngineDeadError(RuntimeError):
     """The engine core died or stopped answering: nothing it held will finish."""
 
 
-class EngineStartupError(RuntimeError):
-    """The engine core could not start (the message says why)."""
+__all__ = ["AsyncMPClient", "EngineDeadError", "EngineStartupError", "InprocClient"]
 
 
 class InprocClient:
@@ -70,21 +67,9 @@ class InprocClient:
         self.engine_core.shutdown()
 
 
-def _stop_engine(proc: multiprocessing.process.BaseProcess, conn: Any, folder: str) -> None:
-    """Ask the engine to exit, then insist; runs at shutdown and, as a last resort, at exit."""
-    if proc.is_alive():
-        proc.terminate()
-        proc.join(5)
-    if proc.is_alive():
-        logger.warning("The engine core did not exit within 5 s of SIGTERM; killing it.")
-        proc.kill()
-        proc.join(5)
-    conn.close()
-    shutil.rmtree(folder, ignore_errors=True)
-
-
 class AsyncMPClient:
-    """The engine core in its own process (spawned), reached over two `ipc://` sockets.
+    """The engine core in its own process, reached over two ZeroMQ sockets (`ipc://` to a local
+    process, tcp to a Ray actor).
 
     Input: our PUSH connects to the engine's PULL; output: the engine's PUSH connects to our PULL.
     The sending side connects, so messages queue from the start, before the peer is up.
@@ -98,10 +83,12 @@ class AsyncMPClient:
         engine_index: int = 0,
         outputs: asyncio.Queue | None = None,
         wait_ready: bool = True,
+        engine: EngineHandle | None = None,
     ) -> None:
         """`engine_index`, `outputs`: this engine's place in a data-parallel group, and the queue
         the group's outputs share. `wait_ready=False`: return once the process started; call
-        `wait_ready()` (several engines start at once that way)."""
+        `wait_ready()` (several engines start at once that way). `engine`: how the engine runs
+        (default: a local process)."""
         self.engine_timeout_s = engine_timeout_s
         self.engine_index = engine_index
         # The one record of the engine's death (the frontend reads it from here).
@@ -109,16 +96,12 @@ class AsyncMPClient:
         self._dead_listeners: list[asyncio.Future[EngineDeadError]] = []
         self._closed = False
         self._exit_expected = False
-        self._folder = tempfile.mkdtemp(prefix="compiled-llm-")
-        input_address = f"ipc://{self._folder}/input"
-        output_address = f"ipc://{self._folder}/output"
+        self.engine: EngineHandle = engine or EngineProcess(config, engine_index)
         self._ctx = zmq.Context()
         self.input_socket = self._ctx.socket(zmq.PUSH)
-        self.input_socket.connect(input_address)
         # An asyncio view of the same context. The async socket must own its handle: a shadowed
         # sync socket would close it again when collected, by then maybe a newer client's socket.
         self.output_socket = zmq.asyncio.Context.shadow(self._ctx).socket(zmq.PULL)
-        self.output_socket.bind(output_address)
         self._encoder = msgspec.msgpack.Encoder()
         self._outputs: asyncio.Queue[EngineCoreOutputs | EngineDeadError] = outputs or asyncio.Queue()
         self._receiver: asyncio.Task | None = None
@@ -131,29 +114,22 @@ class AsyncMPClient:
         self._send_queue: asyncio.Queue[list[bytes]] | None = None
         self._sender: asyncio.Task | None = None
 
-        mp = multiprocessing.get_context("spawn")
-        self._conn, child_conn = mp.Pipe()
-        self.proc = mp.Process(
-            target=run_engine_core,
-            name="EngineCore",
-            args=(config, input_address, output_address, child_conn, engine_index),
-        )
         self._config = config
         self._started = time.perf_counter()
-        self.proc.start()
-        child_conn.close()
-        # Runs at interpreter exit before multiprocessing joins its children, so a forgotten
-        # client neither hangs the exit nor leaves the engine behind.
-        self._finalizer = multiprocessing.util.Finalize(
-            self, _stop_engine, args=(self.proc, self._conn, self._folder), exitpriority=10
-        )
+        try:
+            self.output_socket.bind(self.engine.output_bind_address)
+            self.engine.start(self.output_socket.getsockopt(zmq.LAST_ENDPOINT).decode())
+            self.input_socket.connect(self.engine.input_address)
+        except BaseException:
+            self.shutdown()
+            raise
         if wait_ready:
             self.wait_ready()
 
     def wait_ready(self) -> None:
         """Block until the engine is ready; `EngineStartupError` (and the process stopped) if not."""
         try:
-            handshake = self._wait_for_handshake()
+            handshake = self.engine.wait_ready()
         except BaseException:
             self.shutdown()
             raise
@@ -162,7 +138,7 @@ class AsyncMPClient:
         logger.info(
             "Engine core %d (pid %d) ready in %.1f s: process start and imports %.1f s, weights %.1f s, "
             "KV cache %.1f s, compile or warm-up %.1f s.",
-            self.engine_index, self.proc.pid, total, total - handshake.startup_seconds, handshake.load_seconds,
+            self.engine_index, self.engine.pid, total, total - handshake.startup_seconds, handshake.load_seconds,
             handshake.kv_seconds, handshake.startup_seconds - handshake.load_seconds - handshake.kv_seconds,
         )
 
@@ -171,26 +147,15 @@ class AsyncMPClient:
         """Requests sent and not finished: this engine's load, as the frontend sees it."""
         return len(self._in_flight)
 
-    def _wait_for_handshake(self) -> Handshake:
-        ready = multiprocessing.connection.wait([self._conn, self.proc.sentinel])
-        if self._conn in ready:
-            try:
-                handshake = msgspec.msgpack.decode(self._conn.recv_bytes(), type=Handshake)
-            except EOFError:
-                handshake = None
-            if handshake is not None:
-                if handshake.ok:
-                    return handshake
-                raise EngineStartupError(f"The engine core failed to start: {handshake.error}")
-        self.proc.join(5)
-        raise EngineStartupError(
-            f"The engine core process exited during start-up (exit code {self.proc.exitcode}); see its log above."
-        )
-
     # ---- liveness and outputs ------------------------------------------------------------------
     @property
     def pid(self) -> int | None:
-        return self.proc.pid
+        return self.engine.pid
+
+    @property
+    def proc(self) -> multiprocessing.process.BaseProcess | None:
+        """The engine's local process (None for a Ray actor)."""
+        return getattr(self.engine, "proc", None)
 
     def _ensure_receiving(self) -> None:
         if self._receiver is None and not self._closed:
@@ -210,26 +175,24 @@ class AsyncMPClient:
     async def _receive_outputs(self) -> None:
         poller = zmq.asyncio.Poller()
         poller.register(self.output_socket, zmq.POLLIN)
-        poller.register(self.proc.sentinel, zmq.POLLIN)
+        poller.register(self.engine.sentinel, zmq.POLLIN)
         decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
         try:
             while True:
                 events = dict(await poller.poll(_POLL_MS))
                 if self.output_socket in events:
                     self._deliver(decoder.decode(await self.output_socket.recv()))
-                elif self.proc.sentinel in events:
+                elif self.engine.sentinel in events:
                     if self._exit_expected:
                         return
                     while await self.output_socket.poll(0):  # what it sent before it went
                         self._deliver(decoder.decode(await self.output_socket.recv()))
-                    self.proc.join(1)
-                    raise EngineDeadError(
-                        f"The engine core process exited unexpectedly (exit code {self.proc.exitcode})."
-                    )
+                    self.engine.join(1)
+                    raise EngineDeadError(self.engine.describe_exit())
                 elif (self._in_flight or self._utility_calls) and (
                     time.monotonic() - self._last_heard > self.engine_timeout_s
                 ):
-                    self.proc.kill()
+                    self.engine.kill()
                     raise EngineDeadError(
                         f"The engine core stopped answering: nothing for {self.engine_timeout_s:g} s with "
                         f"{len(self._in_flight)} requests in flight; it was killed."
@@ -353,20 +316,20 @@ class AsyncMPClient:
 
     # ---- shutdown ---------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Stop the engine process and join it (SHUTDOWN, then SIGTERM, then SIGKILL)."""
+        """Stop the engine (SHUTDOWN, then SIGTERM or a kill) and join it."""
         if self._closed:
             return
-        if self.proc.is_alive() and self.dead_error is None:
+        if self.engine.is_alive() and self.dead_error is None:
             try:
                 self.input_socket.send_multipart([RequestType.SHUTDOWN.value, b""], flags=zmq.NOBLOCK)
-                self.proc.join(5)
+                self.engine.join(5)
             except zmq.ZMQError:
                 pass
         self._closed = True
         for task in (self._receiver, self._sender):
             if task is not None and not task.done() and not task.get_loop().is_closed():
                 task.cancel()
-        self._finalizer()
+        self.engine.stop()
         self.input_socket.close(linger=0)
         self.output_socket.close(linger=0)
         self._ctx.term()

@@ -1,0 +1,143 @@
+"""How the frontend holds an engine core: where to reach it, whether it is ready, whether it is gone.
+
+`AsyncMPClient` owns the sockets, the sender and the receiver; an `EngineHandle` owns only the
+engine's life. `EngineProcess` is a local process reached over `ipc://` (the default);
+`ray_engine.RayEngine` is a Ray actor, maybe on another node, reached over tcp.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.util
+import shutil
+import tempfile
+from typing import Any, Protocol
+
+import msgspec
+
+from compiled_llm.config import EngineConfig
+from compiled_llm.core.core_proc import Handshake, run_engine_core
+from compiled_llm.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+class EngineStartupError(RuntimeError):
+    """The engine core could not start (the message says why)."""
+
+
+class EngineHandle(Protocol):
+    """The engine's life as the client sees it.
+
+    `output_bind_address`: where the client binds its output socket (a tcp port may be `*`);
+    `start(output_address)` gets the bound address; `input_address` is valid after `start`.
+    `sentinel`: a file descriptor that turns readable once the engine is gone, for the poller.
+    """
+
+    input_address: str
+    output_bind_address: str
+    sentinel: int
+
+    @property
+    def pid(self) -> int | None: ...
+
+    def start(self, output_address: str) -> None: ...
+
+    def wait_ready(self) -> Handshake: ...
+
+    def is_alive(self) -> bool: ...
+
+    def join(self, timeout: float) -> None: ...
+
+    def describe_exit(self) -> str: ...
+
+    def kill(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+def _stop_engine(proc: multiprocessing.process.BaseProcess, conn: Any, folder: str) -> None:
+    """Ask the engine to exit, then insist; runs at shutdown and, as a last resort, at exit."""
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(5)
+    if proc.is_alive():
+        logger.warning("The engine core did not exit within 5 s of SIGTERM; killing it.")
+        proc.kill()
+        proc.join(5)
+    conn.close()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+class EngineProcess:
+    """The engine core in a local process (spawned), reached over two `ipc://` sockets in a temp
+    folder. Start-up handshake over a pipe, whose end of file also tells the engine that its
+    client is gone; death is the process's sentinel."""
+
+    def __init__(self, config: EngineConfig, engine_index: int = 0) -> None:
+        self._config = config
+        self._engine_index = engine_index
+        self._folder = tempfile.mkdtemp(prefix="compiled-llm-")
+        self.input_address = f"ipc://{self._folder}/input"
+        self.output_bind_address = f"ipc://{self._folder}/output"
+        self.proc: multiprocessing.process.BaseProcess | None = None
+
+    def start(self, output_address: str) -> None:
+        mp = multiprocessing.get_context("spawn")
+        self._conn, child_conn = mp.Pipe()
+        self.proc = mp.Process(
+            target=run_engine_core,
+            name="EngineCore",
+            args=(self._config, self.input_address, output_address, child_conn, self._engine_index),
+        )
+        self.proc.start()
+        child_conn.close()
+        self.sentinel = self.proc.sentinel
+        # Runs at interpreter exit before multiprocessing joins its children, so a forgotten
+        # client neither hangs the exit nor leaves the engine behind.
+        self._finalizer = multiprocessing.util.Finalize(
+            self, _stop_engine, args=(self.proc, self._conn, self._folder), exitpriority=10
+        )
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def wait_ready(self) -> Handshake:
+        assert self.proc is not None
+        ready = multiprocessing.connection.wait([self._conn, self.proc.sentinel])
+        if self._conn in ready:
+            try:
+                handshake = msgspec.msgpack.decode(self._conn.recv_bytes(), type=Handshake)
+            except EOFError:
+                handshake = None
+            if handshake is not None:
+                if handshake.ok:
+                    return handshake
+                raise EngineStartupError(f"The engine core failed to start: {handshake.error}")
+        self.proc.join(5)
+        raise EngineStartupError(
+            f"The engine core process exited during start-up (exit code {self.proc.exitcode}); see its log above."
+        )
+
+    def is_alive(self) -> bool:
+        return self.proc is not None and self.proc.is_alive()
+
+    def join(self, timeout: float) -> None:
+        if self.proc is not None:
+            self.proc.join(timeout)
+
+    def describe_exit(self) -> str:
+        return f"The engine core process exited unexpectedly (exit code {self.proc and self.proc.exitcode})."
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+
+    def stop(self) -> None:
+        """Terminate (then kill) and join the process; remove the socket folder."""
+        if self.proc is None:
+            shutil.rmtree(self._folder, ignore_errors=True)
+        else:
+            self._finalizer()
