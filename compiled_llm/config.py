@@ -277,6 +277,11 @@ class ParallelConfig:
                 f"Unknown distributed executor backend {self.distributed_executor_backend!r}; "
                 f"use one of {', '.join(EXECUTOR_BACKENDS)}."
             )
+        if self.distributed_executor_backend == "ray" and self.data_parallel_size > 1 and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "data_parallel_size > 1 with tensor_parallel_size > 1 is not supported on the ray backend "
+                "(each Ray data-parallel engine holds one rank); use the mp backend, or one of the two."
+            )
 
 
 @dataclass

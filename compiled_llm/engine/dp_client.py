@@ -7,6 +7,9 @@ engine while its load stays within a small margin of the least loaded one, so th
 cache serves them. Aborts go where their request went; utility calls go to every engine. The
 engines' outputs arrive on one queue, each stamped with its engine's index. One engine's death
 is the group's death, reported as a single engine's is.
+
+With `--distributed-executor-backend ray` the engines are Ray actors in one placement group
+(`ray_engine.py`), possibly on other nodes; otherwise local processes.
 """
 
 from __future__ import annotations
@@ -33,9 +36,17 @@ class DPAsyncMPClient:
         self.block_size = config.cache_config.block_size
         self._outputs: asyncio.Queue[EngineCoreOutputs | EngineDeadError] = asyncio.Queue()
         self.engines: list[AsyncMPClient] = []
+        self._ray_group: Any = None
         try:
+            handles: list[Any] = [None] * size
+            if config.parallel_config.distributed_executor_backend == "ray":
+                from compiled_llm.engine.ray_engine import RayEngineGroup
+
+                self._ray_group = RayEngineGroup(config)
+                handles = list(self._ray_group.engines)
             for index in range(size):  # all start at once; then wait for each
-                self.engines.append(AsyncMPClient(config, engine_timeout_s, index, self._outputs, wait_ready=False))
+                self.engines.append(AsyncMPClient(config, engine_timeout_s, index, self._outputs, wait_ready=False,
+                                                  engine=handles[index]))
             for engine in self.engines:
                 engine.wait_ready()
         except BaseException:
@@ -123,3 +134,5 @@ class DPAsyncMPClient:
     def shutdown(self) -> None:
         for engine in self.engines:
             engine.shutdown()
+        if self._ray_group is not None:
+            self._ray_group.stop()
