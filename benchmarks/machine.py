@@ -119,25 +119,29 @@ def decode_step_bytes(model_folder: str, dtype: str, context_tokens: float) -> f
 
 
 # ---- host time per step ---------------------------------------------------------------------------
-def step_breakdown(events: list) -> dict | None:
-    """Split the steps of a batch-1 decode into model time and host time.
+def step_breakdown(events: list, tokens: int | None = None) -> dict | None:
+    """Split the decode steps of a run into model time and host time.
 
-    `events`: [kind, start, seconds] in call order, kind "f" for a model forward (one a step) and
-    "l" for the logits projection that follows it. A step runs from one forward's start to the
-    next's; its model time is its forward plus its logits; the rest (scheduling, input
-    preparation, sampling, output processing, the engine's own IPC) is host time. The first step
-    (the prefill) and the last (no next forward) are left out.
+    `events`: [kind, start, seconds, tokens] in call order, kind "f" for a model forward (one a
+    step, over `tokens` tokens) and "l" for the logits projection that follows it. A step runs from
+    one forward's start to the next's; its model time is its forward plus its logits; the rest
+    (scheduling, input preparation, sampling, output processing, the engine's own IPC) is host
+    time. Only steps of `tokens` tokens whose next step is one too count (a batch-1 decode: every
+    step after the prefill but the last; a batch of 32: the steps where all 32 decode).
     """
-    steps: list[list[float]] = []  # [start, model seconds]
-    for kind, start, seconds in events:
+    steps: list[list[float]] = []  # [start, model seconds, tokens]
+    for kind, start, seconds, *rest in events:
         if kind == "f":
-            steps.append([start, seconds])
+            steps.append([start, seconds, rest[0] if rest else None])
         elif steps:
             steps[-1][1] += seconds
-    if len(steps) < 4:
+    if tokens is None:  # a single-request run: its first step is the prefill
+        steps = steps[1:]
+    pairs = [(a, b) for a, b in zip(steps, steps[1:]) if tokens is None or a[2] == b[2] == tokens]
+    if len(pairs) < 3:
         return None
-    periods = [b[0] - a[0] for a, b in zip(steps[1:], steps[2:])]
-    models = [a[1] for a in steps[1:-1]]
+    periods = [b[0] - a[0] for a, b in pairs]
+    models = [a[1] for a, _ in pairs]
     return {
         "step_ms": 1000 * statistics.median(periods),
         "model_ms": 1000 * statistics.median(models),

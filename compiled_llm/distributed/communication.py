@@ -8,6 +8,8 @@ other collectives run outside the model (logits, sampled ids) and are plain call
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -17,11 +19,22 @@ _lib = torch.library.Library("compiled_llm", "FRAGMENT")
 _lib.define("tp_all_reduce(Tensor x) -> Tensor")
 
 
+_stats = [0, 0.0]  # all-reduce calls and their wall seconds in this process (for benchmarks)
+
+
+def all_reduce_stats() -> tuple[int, float]:
+    """How many all-reduces this process made, and the wall time they took (waits included)."""
+    return _stats[0], _stats[1]
+
+
 def _all_reduce(x: torch.Tensor) -> torch.Tensor:
+    started = time.perf_counter()
     out = x.clone()
     group = tensor_parallel()
     if group.world_size > 1:
         dist.all_reduce(out, group=group.group)
+    _stats[0] += 1
+    _stats[1] += time.perf_counter() - started
     return out
 
 
