@@ -8,9 +8,8 @@ the output projection. Figures per shape kind are summed over the layers.
 
 Routes: `F.linear` (MKL); oneDNN with the weight prepacked once (`torch.ops.mkldnn`, what
 vLLM-CPU does); the project's packed GEMM (`compiled_llm_cpu::packed_linear`, weights packed at
-load); and the older row kernel (`compiled_llm_cpu::linear`, 3-16 rows). Output: ms per pass, the
-effective weight read rate (GB/s) and GFLOP/s, per route and row count; the fastest route per
-shape kind and row count is marked.
+load). Output: ms per pass, the effective weight read rate (GB/s) and GFLOP/s, per route and
+row count; the fastest route per shape kind and row count is marked.
 
     python benchmarks/cpu_linear.py                      # the bundled model, rows 1..512
     python benchmarks/cpu_linear.py --rows 1,8 --reps 5
@@ -56,8 +55,6 @@ def routes_for(weight: torch.Tensor, names: list[str]) -> dict[str, Route]:
     if "packed" in names:
         packed = torch.ops.compiled_llm_cpu.pack_linear_weight(weight)
         out["packed"] = lambda x, p=packed, n=n: torch.ops.compiled_llm_cpu.packed_linear(x, p, None, n)
-    if "rows" in names:
-        out["rows"] = lambda x, w=weight: torch.ops.compiled_llm_cpu.linear(x, w, None)
     return out
 
 
@@ -65,7 +62,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="HF folder (default: the bundled SmolLM2-135M-Instruct)")
     parser.add_argument("--rows", default="1,4,8,16,32,64,256,512")
-    parser.add_argument("--routes", default="F.linear,onednn-packed,packed,rows")
+    parser.add_argument("--routes", default="F.linear,onednn-packed,packed")
     parser.add_argument("--reps", type=int, default=7, help="passes per figure (median)")
     parser.add_argument("--threads", type=int, default=default_threads())
     parser.add_argument("--best", action="store_true",
@@ -105,8 +102,6 @@ def main() -> None:
         xs["lm_head"] = torch.randn(m, hidden, generator=g)
         results: dict[str, dict[str, float]] = {}
         for r in names:
-            if r == "rows" and not 3 <= m <= 16:
-                continue
             per_kind: dict[str, list[float]] = {k: [] for k in kinds}
             totals = []
             for rep in range(args.reps + 1):
