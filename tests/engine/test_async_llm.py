@@ -61,7 +61,7 @@ async def outputs(engine: AsyncLLM, prompt: Any, p: SamplingParams, rid: str) ->
 
 
 def gauge(engine: AsyncLLM, name: str) -> float:
-    labels = {"model_name": engine.model_config.served_model_name}
+    labels = {"model_name": engine.model_config.served_model_name, "engine": "0"}
     return engine.metrics.registry.get_sample_value(f"compiled_llm:{name}", labels) or 0.0
 
 
