@@ -43,8 +43,11 @@ def build_batch(llm, batch: int, prompt_len: int, output_len: int) -> None:
 
 def time_metadata(runner, rows: np.ndarray, repeats: int) -> float:
     build = getattr(runner, "sampling_metadata", None)
-    if build is None:  # after the runner's split: the input batch keeps the metadata
-        build = runner.sampling.metadata
+    if build is None:  # after the runner's split: the input batch keeps the sampling state
+        batch = runner.batch
+
+        def build(rows: np.ndarray):
+            return batch.sampling.metadata(rows, batch.num_output_tokens(rows))
     for _ in range(5):
         build(rows)
     times = []
