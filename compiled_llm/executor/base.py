@@ -14,6 +14,7 @@ from compiled_llm.messages.runner_output import ModelRunnerOutput
 from compiled_llm.messages.scheduler_output import SchedulerOutput
 from compiled_llm.worker.model_runner import ModelRunner
 from compiled_llm.worker.step_output import StepOutput
+from compiled_llm.worker.worker import compile_summary
 
 
 class Executor:
@@ -57,3 +58,39 @@ class Executor:
 
     def shutdown(self) -> None:
         pass
+
+
+class MultiRankExecutor(Executor):
+    """An executor with ranks beyond the driver. A command goes to the other ranks first (they meet
+    the driver in the collectives it holds), then runs on the driver; subclasses say only how a
+    command reaches the other ranks and how their answers come back."""
+
+    def _send_to_workers(self, name: str, arg: Any) -> Any:
+        """Start `name(arg)` on every other rank; returns what `_worker_results` needs."""
+        raise NotImplementedError
+
+    def _worker_results(self, pending: Any) -> list[Any]:
+        raise NotImplementedError
+
+    def _on_every_rank(self, name: str, arg: Any = None) -> tuple[Any, list[Any]]:
+        pending = self._send_to_workers(name, arg)
+        if name == "compile":
+            self.driver.compile()
+            mine = compile_summary(self.driver, 0)
+        else:
+            mine = getattr(self.driver, name)(*([] if arg is None else [arg]))
+        return mine, self._worker_results(pending)
+
+    def determine_num_blocks(self) -> int:
+        mine, theirs = self._on_every_rank("determine_num_blocks")
+        return min([mine, *theirs])
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self._on_every_rank("initialize_kv_cache", num_blocks)
+
+    def compile_or_warm_up(self) -> None:
+        self._on_every_rank("compile_or_warm_up")
+
+    def compile(self) -> list[dict[str, Any]]:
+        mine, theirs = self._on_every_rank("compile")
+        return [mine, *theirs]

@@ -20,12 +20,12 @@ import torch
 
 from compiled_llm.config import EngineConfig
 from compiled_llm.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
-from compiled_llm.executor.base import Executor
+from compiled_llm.executor.base import MultiRankExecutor
 from compiled_llm.logger import init_logger
 from compiled_llm.messages.scheduler_output import SchedulerOutput
 from compiled_llm.utils import get_open_port
 from compiled_llm.worker.step_output import StepOutput
-from compiled_llm.worker.worker import compile_summary, run_worker_process
+from compiled_llm.worker.worker import run_worker_process
 
 logger = init_logger(__name__)
 
@@ -34,7 +34,7 @@ class WorkerDiedError(RuntimeError):
     """A tensor-parallel rank's process exited: the engine cannot go on without its slice."""
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(MultiRankExecutor):
     def __init__(self, config: EngineConfig, exit_on_worker_death: bool = False) -> None:
         super().__init__(config)
         self._exit_on_worker_death = exit_on_worker_death
@@ -82,30 +82,13 @@ class MultiprocExecutor(Executor):
             results.append(value)
         return results
 
-    def _on_every_rank(self, name: str, arg: Any = None) -> tuple[Any, list[Any]]:
+    def _send_to_workers(self, name: str, arg: Any) -> None:
         self._send(name, arg)
-        if name == "compile":
-            self.driver.compile()
-            mine = compile_summary(self.driver, 0)
-        else:
-            mine = getattr(self.driver, name)(*([] if arg is None else [arg]))
-        return mine, self._collect()
+
+    def _worker_results(self, pending: None) -> list[Any]:
+        return self._collect()
 
     # ---- the executor --------------------------------------------------------------------------
-    def determine_num_blocks(self) -> int:
-        mine, theirs = self._on_every_rank("determine_num_blocks")
-        return min([mine, *theirs])
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self._on_every_rank("initialize_kv_cache", num_blocks)
-
-    def compile_or_warm_up(self) -> None:
-        self._on_every_rank("compile_or_warm_up")
-
-    def compile(self) -> list[dict[str, Any]]:
-        mine, theirs = self._on_every_rank("compile")
-        return [mine, *theirs]
-
     def execute_model_async(
         self, scheduler_output: SchedulerOutput, grammar_bitmask: Callable[[], torch.Tensor] | None = None
     ) -> StepOutput:

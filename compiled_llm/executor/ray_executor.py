@@ -18,12 +18,11 @@ import torch
 
 from compiled_llm.config import EngineConfig
 from compiled_llm.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
-from compiled_llm.executor.base import Executor
+from compiled_llm.executor.base import MultiRankExecutor
 from compiled_llm.logger import init_logger
 from compiled_llm.messages.scheduler_output import SchedulerOutput
 from compiled_llm.utils import get_open_port
 from compiled_llm.worker.step_output import StepOutput
-from compiled_llm.worker.worker import compile_summary
 
 logger = init_logger(__name__)
 
@@ -61,7 +60,7 @@ class _RayWorker:
         self.worker.shutdown()
 
 
-class RayExecutor(Executor):
+class RayExecutor(MultiRankExecutor):
     def __init__(self, config: EngineConfig, exit_on_worker_death: bool = False) -> None:
         super().__init__(config)
         ray = _import_ray()
@@ -103,28 +102,11 @@ class RayExecutor(Executor):
         logger.info("Ray: tensor-parallel ranks on nodes %s (driver on %s).", self.worker_nodes, driver_node)
 
     # ---- commands ------------------------------------------------------------------------------
-    def _on_every_rank(self, name: str, arg: Any = None) -> tuple[Any, list[Any]]:
-        refs = [w.call.remote(name, arg) for w in self.workers]
-        if name == "compile":
-            self.driver.compile()
-            mine = compile_summary(self.driver, 0)
-        else:
-            mine = getattr(self.driver, name)(*([] if arg is None else [arg]))
-        return mine, self._ray.get(refs)
+    def _send_to_workers(self, name: str, arg: Any) -> list[Any]:
+        return [w.call.remote(name, arg) for w in self.workers]
 
-    def determine_num_blocks(self) -> int:
-        mine, theirs = self._on_every_rank("determine_num_blocks")
-        return min([mine, *theirs])
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self._on_every_rank("initialize_kv_cache", num_blocks)
-
-    def compile_or_warm_up(self) -> None:
-        self._on_every_rank("compile_or_warm_up")
-
-    def compile(self) -> list[dict[str, Any]]:
-        mine, theirs = self._on_every_rank("compile")
-        return [mine, *theirs]
+    def _worker_results(self, pending: list[Any]) -> list[Any]:
+        return self._ray.get(pending)
 
     def execute_model_async(
         self, scheduler_output: SchedulerOutput, grammar_bitmask: Callable[[], torch.Tensor] | None = None
