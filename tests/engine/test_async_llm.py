@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import threading
 from typing import Any, Coroutine
 
 import pytest
@@ -18,18 +17,6 @@ from compiled_llm.sampling_params import RequestOutputKind, SamplingParams
 
 TIMEOUT = 60
 DELTA, CUMULATIVE, FINAL = RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY
-
-
-@pytest.fixture(scope="module")
-def loop():
-    """One event loop for the module, on its own thread: the engine's output handler lives on it."""
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    yield loop
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
-    loop.close()
 
 
 def run(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any]) -> Any:

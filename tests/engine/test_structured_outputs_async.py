@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import threading
 from typing import Any, Coroutine
 
 import pytest
@@ -19,17 +18,6 @@ from compiled_llm.sampling_params import StructuredOutputsParams as SO
 
 TIMEOUT = 90
 DELTA = RequestOutputKind.DELTA
-
-
-@pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    yield loop
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
-    loop.close()
 
 
 def run(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any]) -> Any:
