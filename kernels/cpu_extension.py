@@ -19,7 +19,8 @@ import torch
 logger = logging.getLogger("compiled_llm.kernels")
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = [_CSRC / "cpu_attention.cpp", _CSRC / "cpu_prefill_attention.cpp", _CSRC / "cpu_gemm.cpp"]
+_SOURCES = [_CSRC / "cpu_attention.cpp", _CSRC / "cpu_prefill_attention.cpp", _CSRC / "cpu_attention_step.cpp",
+            _CSRC / "cpu_gemm.cpp"]
 _HEADERS = [_CSRC / "simd.h", _CSRC / "parallel.h", _CSRC / "vec.h"]
 # -march=native: the kernels pick their vector width (AVX2 or AVX-512) from the CPU they are built
 # on; the folder's hash covers the flags, and the cache key's device factor the CPU's vector ISA.
@@ -66,7 +67,7 @@ def cpu_kernels_available() -> bool:
             verbose=False,
         )
         _register_fakes()
-        return hasattr(torch.ops.compiled_llm_cpu, "paged_decode_attention")
+        return hasattr(torch.ops.compiled_llm_cpu, "attention_step")
     except Exception as e:  # no compiler, no headers, an unsupported platform
         logger.warning("C++ CPU kernels unavailable (%s); using the torch implementation.", e)
         return False

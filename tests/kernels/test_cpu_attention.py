@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compiled_llm.kernels.cpu_attention import paged_attention, write_kv_cache
+from compiled_llm.kernels.cpu_attention import attention, paged_attention, write_kv_cache
 from compiled_llm.kernels.cpu_extension import cpu_kernels_available
 from compiled_llm.kernels.metadata import AttentionMetadata
 
@@ -140,3 +140,40 @@ def test_prefill_kernel_rejects_bad_layouts():
         )
     with pytest.raises(RuntimeError, match="vector_width must be 0, 8 or 16"):
         torch.ops.compiled_llm_cpu.paged_prefill_attention(out, q, *args, 4)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    requests=st.lists(st.tuples(st.integers(1, 40), st.integers(0, 60)), min_size=1, max_size=5),
+    heads=st.sampled_from([(4, 4), (9, 3), (8, 1)]),
+    head_dim=st.sampled_from([64, 32, 24]),
+    block_size=st.sampled_from([8, 16]),
+    padding=st.integers(0, 3),
+)
+def test_attention_step_matches_reference(requests, heads, head_dim, block_size, padding):
+    """The one-call layer attention (KV write, decode, prefill, zeroed padding) equals the torch
+    reference's write and attention, on ragged batches with padded rows (slot -1) at the end."""
+    requests = sorted(requests, key=lambda r: r[0] != 1)
+    q, k, v, cache, meta = make_batch([r[0] for r in requests], [r[1] for r in requests], *heads, head_dim,
+                                      block_size)
+    if padding:  # rows past num_actual_tokens, as a padded step has: written nowhere, output zero
+        q, k, v = (torch.cat([t, torch.randn(padding, *t.shape[1:])]) for t in (q, k, v))
+        meta.slot_mapping = torch.cat([meta.slot_mapping, torch.full((padding,), -1, dtype=torch.int64)])
+    ref_cache = cache.clone()
+    write_kv_cache(k, v, ref_cache, meta.slot_mapping, reference=True)
+    ref = paged_attention(q, k, v, ref_cache, meta, 0.3, reference=True)
+    out = torch.full_like(q, float("nan"))
+    attention(q, k, v, out, cache, meta, 0.3)
+    assert torch.equal(cache, ref_cache)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    if padding:
+        assert torch.equal(out[-padding:], torch.zeros_like(out[-padding:]))
+
+
+def test_attention_step_rejects_bad_arguments():
+    q, k, v, cache, meta = make_batch([1, 3], [4, 0], 4, 2, 64, 16)
+    args = (meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc)
+    with pytest.raises(RuntimeError, match="num_decodes <= num_reqs"):
+        torch.ops.compiled_llm_cpu.attention_step(q, k, v, torch.empty_like(q), cache, *args, 2, 3, 4, 0.1)
+    with pytest.raises(RuntimeError, match="kv_cache must be float32"):
+        torch.ops.compiled_llm_cpu.attention_step(q, k, v, torch.empty_like(q), cache[0], *args, 2, 1, 4, 0.1)

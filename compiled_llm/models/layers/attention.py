@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from compiled_llm.compilation.forward_context import get_forward_context
+from compiled_llm.kernels.cpu_attention import attention as cpu_attention
 
 _lib = torch.library.Library("compiled_llm", "FRAGMENT")
 _lib.define(
@@ -25,11 +26,7 @@ def _attention_cpu(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor, kv_cache: torch.Tensor,
     scale: float,
 ) -> None:
-    from compiled_llm.kernels.cpu_attention import paged_attention, write_kv_cache
-
-    metadata = get_forward_context().attn_metadata
-    write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
-    paged_attention(query, key, value, kv_cache, metadata, scale, output=output)
+    cpu_attention(query, key, value, output, kv_cache, get_forward_context().attn_metadata, scale)
 
 
 def _attention_cuda(
