@@ -114,3 +114,25 @@ def test_linear_layers_pack_after_loading_and_repack_after_reloading():
     plain.process_weights_after_loading()
     assert plain.packed_weight is None
     torch.testing.assert_close(plain(x), F.linear(x, plain.weight))
+
+
+def test_large_packed_weights_sit_on_2mb_aligned_memory_and_free_it():
+    """Weights of 2 MB or more are packed into their own 2 MB-aligned mapping (which the kernel may
+    back with huge pages); the results are the same, and the mapping goes with the tensor."""
+    weight = torch.randn(3072, 576)  # 7 MB: SmolLM2's gate-up projection
+    packed = pack_weight(weight)
+    assert packed.data_ptr() % (2 << 20) == 0
+    x = torch.randn(3, 576)
+    torch.testing.assert_close(torch.ops.compiled_llm_cpu.packed_linear(x, packed, None, 3072), F.linear(x, weight),
+                               rtol=1e-5, atol=1e-4)
+    small = pack_weight(torch.randn(16, 64))  # below 2 MB: an ordinary allocation
+    assert small.shape == (1, 64, small.shape[2])
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    del packed
+    before = rss()
+    for _ in range(50):  # 350 MB if the mappings outlived their tensors
+        assert pack_weight(weight).data_ptr() % (2 << 20) == 0
+    assert rss() - before < 64 << 20
