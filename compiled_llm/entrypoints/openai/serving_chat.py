@@ -17,11 +17,9 @@ from compiled_llm.entrypoints.openai.chat_tools import ToolPlan, plan_tools
 from compiled_llm.entrypoints.openai.errors import OpenAIError
 from compiled_llm.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs_out
 from compiled_llm.entrypoints.openai.protocol import (
-    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
-    ChatCompletionStreamChoice,
     ChatMessage,
     ChatResponseMessage,
     DeltaFunctionCall,
@@ -36,9 +34,9 @@ from compiled_llm.entrypoints.openai.serving_engine import (
     event_stream,
     final_output,
     json_response,
-    sse,
     usage_info,
 )
+from compiled_llm.entrypoints.openai.stream_events import chat_choice, chat_chunk, content_delta
 from compiled_llm.entrypoints.openai.structured_outputs import requested_structured_outputs
 from compiled_llm.entrypoints.openai.tool_parsers import ToolCallDelta
 from compiled_llm.entrypoints.openai.tool_parsers.streaming import make_tool_call_id
@@ -205,13 +203,12 @@ class OpenAIServingChat(OpenAIServing):
         created = int(time.time())
         completion_tokens = cached = 0
 
-        def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None,
-                  first: bool = False) -> str:
-            return sse(ChatCompletionChunk(
-                id=reply.request_id, created=created, model=self.served_model_name, choices=choices, usage=usage,
+        def chunk(choices: list[dict[str, Any]], usage: UsageInfo | None = None, first: bool = False) -> str:
+            return chat_chunk(
+                reply.request_id, created, self.served_model_name, choices, usage,
                 prompt_token_ids=reply.prompt_token_ids if first and request.return_token_ids else None,
                 prompt_text=reply.prompt_text if first and request.return_prompt_text else None,
-            ))
+            )
 
         def usage_now() -> UsageInfo | None:
             if not request.usage_in_every_chunk:
@@ -220,11 +217,9 @@ class OpenAIServingChat(OpenAIServing):
 
         choices = {index: _ChoiceStream(reply.tools.new_streamer()) for index in range(request.n or 1)}
         for index in choices:
-            yield chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))],
-                        usage_now(), first=index == 0)
+            yield chunk([chat_choice(index, content_delta("", role="assistant"))], usage_now(), first=index == 0)
             if reply.echo:
-                yield chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(content=reply.echo))],
-                            usage_now())
+                yield chunk([chat_choice(index, content_delta(reply.echo))], usage_now())
         async for out in stream:
             cached = out.num_cached_tokens
             for c in out.outputs:
@@ -243,21 +238,20 @@ class OpenAIServingChat(OpenAIServing):
                     pending = CompletionOutput(c.index, "", state.token_ids, logprobs=state.logprobs)
                     logprobs = chat_logprobs(pending, reply.num_top, bool(request.return_tokens_as_token_ids))
                 called = state.streamer is not None and state.streamer.called
-                yield chunk([ChatCompletionStreamChoice(
-                    index=c.index, delta=delta, logprobs=logprobs,
-                    finish_reason=reply.tools.finish_reason(c.finish_reason, called), stop_reason=c.stop_reason,
-                    token_ids=state.token_ids if request.return_token_ids else None,
+                yield chunk([chat_choice(
+                    c.index, delta, logprobs, reply.tools.finish_reason(c.finish_reason, called), c.stop_reason,
+                    state.token_ids if request.return_token_ids else None,
                 )], usage_now())
                 state.token_ids, state.logprobs = [], []
         if request.usage_in_stream:
             yield chunk([], usage_info(len(reply.prompt_token_ids), completion_tokens, cached))
 
     @staticmethod
-    def _delta(reply: _Reply, state: _ChoiceStream, c: CompletionOutput) -> DeltaMessage | None:
+    def _delta(reply: _Reply, state: _ChoiceStream, c: CompletionOutput) -> dict[str, Any] | DeltaMessage | None:
         """What this output adds to the choice's message, or None if nothing is ready to send."""
         finished = c.finish_reason is not None
         if state.streamer is None:
-            return DeltaMessage(content=c.text)
+            return content_delta(c.text)
         content, calls = state.streamer.update(state.text, finished)
         if not content and not calls and not finished:
             return None

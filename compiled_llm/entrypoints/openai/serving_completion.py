@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -34,6 +34,7 @@ from compiled_llm.entrypoints.openai.serving_engine import (
     sse,
     usage_info,
 )
+from compiled_llm.entrypoints.openai.stream_events import completion_choice, completion_chunk
 from compiled_llm.entrypoints.openai.structured_outputs import requested_structured_outputs
 from compiled_llm.logger import init_logger
 from compiled_llm.outputs import CompletionOutput, RequestOutput
@@ -127,20 +128,24 @@ class OpenAIServingCompletion(OpenAIServing):
             offset = len(prompt.text or "")
         return completion_logprobs(c, plan.num_top, offset, as_ids, result)
 
-    def _choice(self, plan: CompletionPlan, i: int, out: RequestOutput, c: CompletionOutput, echoing: bool,
-                offset: int = 0, first: bool = True) -> CompletionResponseChoice:
+    def _choice_fields(self, plan: CompletionPlan, i: int, out: RequestOutput, c: CompletionOutput, echoing: bool,
+                       offset: int = 0, first: bool = True) -> dict[str, Any]:
+        """The fields of the choice `c` (of prompt `i`): a streamed event's choice as they are."""
         request = plan.request
         prompt = plan.prompts[i]
         text = (prompt.text or "") + c.text if echoing else c.text
-        return CompletionResponseChoice(
-            index=i * plan.n + c.index, text=text,
-            logprobs=self._choice_logprobs(plan, out, c, prompt, echoing, offset),
-            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+        return completion_choice(
+            i * plan.n + c.index, text, self._choice_logprobs(plan, out, c, prompt, echoing, offset),
+            c.finish_reason, c.stop_reason,
             token_ids=list(c.token_ids) if request.return_token_ids else None,
             prompt_token_ids=prompt.token_ids if request.return_token_ids and first else None,
             prompt_logprobs=prompt_logprobs_out(out.prompt_logprobs) if request.prompt_logprobs is not None and first
             else None,
         )
+
+    def _choice(self, plan: CompletionPlan, i: int, out: RequestOutput, c: CompletionOutput,
+                echoing: bool) -> CompletionResponseChoice:
+        return CompletionResponseChoice(**self._choice_fields(plan, i, out, c, echoing))
 
     async def _respond(self, plan: CompletionPlan, streams: list[RequestStream]) -> CompletionResponse:
         finals = await asyncio.gather(*(final_output(s) for s in streams))
@@ -202,15 +207,12 @@ class OpenAIServingCompletion(OpenAIServing):
                 started.add(index)
                 completion_tokens += len(c.token_ids)
                 echoing = first and bool(request.echo)
-                choice = self._choice(plan, i, out, c, echoing, offsets.get(index, 0), first)
-                offsets[index] = offsets.get(index, 0) + len(choice.text)
+                choice = self._choice_fields(plan, i, out, c, echoing, offsets.get(index, 0), first)
+                offsets[index] = offsets.get(index, 0) + len(choice["text"])
                 usage = None
                 if request.usage_in_every_chunk:
                     usage = usage_info(plan.num_prompt_tokens, completion_tokens, cached)
-                yield sse(CompletionResponse(id=plan.request_id, created=created, model=self.served_model_name,
-                                             choices=[choice], usage=usage))
+                yield completion_chunk(plan.request_id, created, self.served_model_name, [choice], usage)
         if request.usage_in_stream:
-            yield sse(CompletionResponse(
-                id=plan.request_id, created=created, model=self.served_model_name, choices=[],
-                usage=usage_info(plan.num_prompt_tokens, completion_tokens, cached),
-            ))
+            yield completion_chunk(plan.request_id, created, self.served_model_name, [],
+                                   usage_info(plan.num_prompt_tokens, completion_tokens, cached))
