@@ -56,7 +56,7 @@ inline void micro_kernel(const float* __restrict x, int64_t xs, const float* __r
 #pragma GCC unroll 2
     for (int u = 0; u < KU; u++) {
       const float* w = panel + (k + u) * NR;
-      if constexpr (kPrefetchBytes > 0 && MR <= 4) __builtin_prefetch(w + kPrefetchBytes / sizeof(float), 0, 0);
+      if constexpr (MR <= 4) __builtin_prefetch(w + kPrefetchBytes / sizeof(float), 0, 0);
       V wv[NV];
 #pragma GCC unroll 4
       for (int j = 0; j < NV; j++) wv[j] = load<V>(w + j * L);
@@ -171,8 +171,8 @@ at::Tensor huge_page_empty(at::IntArrayRef sizes, const at::TensorOptions& optio
   if (raw == MAP_FAILED) return at::empty(sizes, options);
   const uintptr_t base = reinterpret_cast<uintptr_t>(raw);
   const uintptr_t start = (base + kHuge - 1) & ~(uintptr_t{kHuge} - 1);
-  if (start > base) munmap(raw, start - base);  // the slack before and after the aligned range
-  if (base + kHuge > start) munmap(reinterpret_cast<void*>(start + length), base + kHuge - start);
+  if (start > base) munmap(raw, start - base);  // the slack before the aligned range, then after it
+  munmap(reinterpret_cast<void*>(start + length), base + kHuge - start);
   void* data = reinterpret_cast<void*>(start);
   madvise(data, length, MADV_HUGEPAGE);  // best effort
   return at::from_blob(data, sizes, [length](void* p) { munmap(p, length); }, options);
