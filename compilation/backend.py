@@ -4,8 +4,9 @@ load from the compile cache) every other piece for each compile range and size.
 Two paths, each its own function. A warm start (`CompilerBackend.load_saved`) rebuilds the
 split graph from the cache entry and loads every artifact (`CompilerManager.load`): no Dynamo,
 no Inductor. A cold start is Dynamo calling the backend (`CompilerBackend.__call__`) once with
-its graph; it loads what the entry holds and compiles the rest (`CompilerManager.compile`), then
-saves the traced graph. Everything happens at start-up: afterwards the split graph runs
+its graph; it runs the compiler passes over it (compilation/pass_manager.py), splits it, loads
+what the entry holds and compiles the rest (`CompilerManager.compile`), then saves the traced
+(fused) graph. Everything happens at start-up: afterwards the split graph runs
 compiled pieces and eager splitting ops, and nothing compiles lazily.
 """
 
@@ -28,6 +29,7 @@ from compiled_llm.compilation.counters import counters
 from compiled_llm.compilation.cuda_graph import CUDAGraphWrapper
 from compiled_llm.compilation.inductor_adaptor import CompiledPiece, InductorAdaptor, graph_returns_tuple
 from compiled_llm.compilation.partition import split_graph, structural_hash
+from compiled_llm.compilation.pass_manager import PassManager
 from compiled_llm.compilation.piecewise_backend import PiecewiseBackend, ShapeSpec, shape_specs
 from compiled_llm.compilation.traced_graph import GRAPH_FILE, META_FILE, PieceMeta, TracedGraph
 from compiled_llm.logger import init_logger
@@ -260,6 +262,7 @@ class CompilerBackend:
             counters.num_recompiles += 1
             logger.error("Dynamo traced the model a second time (a recompile): a bug in the traced code's guards.")
         bindings = traced_graph.bind_placeholders(example_inputs, self.named_tensors, self.inputs)
+        counters.num_fused_sites += sum(PassManager(self.config.passes)(gm).values())
         split, pieces = split_graph(gm, self.config.splitting_ops)
         inputs = record_piece_inputs(split, example_inputs)
         symbol = token_symbol(example_inputs)

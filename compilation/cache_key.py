@@ -100,6 +100,7 @@ def compute_factors(
     model calls this project's C++ CPU ops (a graph that calls them cannot run where they are
     not built)."""
     from compiled_llm.compilation import inductor_settings
+    from compiled_llm.compilation.pass_manager import PassManager
 
     inductor_settings.apply()  # before hashing Inductor's configuration
     model = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
@@ -119,6 +120,7 @@ def compute_factors(
         "compile_ranges": [list(r) for r in compilation_config.compile_ranges],
         "compile_sizes": list(compilation_config.compile_sizes),
         "splitting_ops": sorted(compilation_config.splitting_ops),
+        "passes": {"enabled": list(compilation_config.passes), "uuid": PassManager(compilation_config.passes).uuid()},
         "sources": sources_hash(source_files),
         "cpu_kernels": cpu_kernels,
         # Each tensor-parallel rank compiles its own slice of the model into its own entry.

@@ -74,6 +74,8 @@ class CompilationConfig:
     cudagraph_mode: CUDAGraphMode
     cudagraph_capture_sizes: list[int]
     inductor_options: dict[str, Any]
+    # Graph passes run on the traced graph before it is split (compilation/pass_manager.py).
+    passes: list[str]
     # A file holding a secret key: precompile signs the cache entry with it, and a start accepts
     # only an entry signed with it. Never part of the cache key, never logged.
     cache_signing_key_file: str | None = None
@@ -95,11 +97,14 @@ class CompilationConfig:
         cudagraph_capture_sizes: Sequence[int] | None = None,
         inductor_options: dict[str, Any] | None = None,
         cache_signing_key_file: str | None = None,
+        passes: Sequence[str] | None = None,
     ) -> "CompilationConfig":
         """The config for `device_type`, a None standing for the default: -O2 on a GPU and -O1 on a
         CPU, one range [1, max_num_batched_tokens], the cache under the user cache dir, full and
-        piecewise CUDA graphs at -O2 on a GPU (none elsewhere), the device's Inductor options."""
+        piecewise CUDA graphs at -O2 on a GPU (none elsewhere), the device's Inductor options, every
+        compiler pass (each fuses only where its pattern occurs)."""
         from compiled_llm.compilation.compile_cache import default_cache_root
+        from compiled_llm.compilation.pass_manager import DEFAULT_PASSES, check_pass_names
 
         if level is None:
             level = 2 if device_type == "cuda" else 1
@@ -146,5 +151,6 @@ class CompilationConfig:
             cudagraph_capture_sizes=sorted({s for s in cudagraph_capture_sizes if 1 <= s <= max_num_batched_tokens}),
             inductor_options=dict(DEFAULT_INDUCTOR_OPTIONS.get(device_type, {}) if inductor_options is None
                                   else inductor_options),
+            passes=check_pass_names(list(DEFAULT_PASSES if passes is None else passes)),
             cache_signing_key_file=cache_signing_key_file,
         )

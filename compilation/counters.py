@@ -23,6 +23,7 @@ class CompilationCounters:
     num_artifacts_saved: int = 0
     num_artifacts_loaded: int = 0
     num_cache_misses: int = 0
+    num_fused_sites: int = 0  # sites the compiler passes rewrote (every pass together)
     num_cudagraph_captured: int = 0
     # Calls served by replaying an already captured graph (the replay that ends a capture is not one).
     num_cudagraph_replayed: int = 0

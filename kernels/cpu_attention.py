@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from compiled_llm.kernels.cpu_extension import cpu_kernels_available
 from compiled_llm.kernels.metadata import AttentionMetadata
+from compiled_llm.kernels.rotary import rotary_embedding
 
 
 def _use_cpp(kv_cache: torch.Tensor) -> bool:
@@ -29,9 +30,12 @@ def attention(
     kv_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    positions: torch.Tensor | None = None,
+    cos_sin_cache: torch.Tensor | None = None,
 ) -> None:
     """One layer's attention for a step, into `output`: the new keys and values written to the
-    cache, then every query attended over its request's context.
+    cache, then every query attended over its request's context. With `positions` and
+    `cos_sin_cache` (the rotary fusion pass), the queries and keys are rotated here first.
 
     With the C++ kernels it is one call (`compiled_llm_cpu::attention_step`): done op by op from
     here it cost about 70 us of Python a layer, more than a batch-1 decode's attention itself.
@@ -42,8 +46,11 @@ def attention(
         torch.ops.compiled_llm_cpu.attention_step.default(
             query, key, value, output, kv_cache, metadata.slot_mapping, metadata.block_tables, metadata.seq_lens,
             metadata.query_start_loc, metadata.num_reqs, metadata.num_decodes, metadata.num_actual_tokens, scale,
+            positions, cos_sin_cache,
         )
         return
+    if positions is not None:
+        query, key = rotary_embedding(positions, query, key, cos_sin_cache)
     write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
     paged_attention(query, key, value, kv_cache, metadata, scale, output=output)
 

@@ -46,6 +46,10 @@ def _register_fakes() -> None:
     def _packed_linear_fake(x, packed, bias, out_features):
         return x.new_empty(*x.shape[:-1], out_features)
 
+    @torch.library.register_fake("compiled_llm_cpu::silu_and_mul_packed_linear")
+    def _silu_and_mul_packed_linear_fake(x, packed, bias, out_features):
+        return x.new_empty(*x.shape[:-1], out_features)
+
 
 @lru_cache(maxsize=1)
 def cpu_kernels_available() -> bool:

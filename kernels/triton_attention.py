@@ -73,6 +73,84 @@ def write_kv_cache(
 
 
 @triton.jit
+def _rope_write_kv_cache_kernel(
+    query_ptr, key_ptr, value_ptr, q_out_ptr, cache_ptr, slot_mapping_ptr, positions_ptr, cos_sin_ptr,
+    num_heads, num_kv_heads, half_dim,
+    stride_qt, stride_qh, stride_qd,
+    stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd,
+    stride_ot, stride_oh, stride_od,
+    stride_c_kv, stride_c_block, stride_c_slot, stride_c_head, stride_c_dim,
+    stride_cs,
+    BLOCK_SIZE: tl.constexpr, Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+):
+    """One program per token: rotate its query heads into `q_out` and its key heads (NeoX halves,
+    in float32, as kernels/rotary.py), then store the rotated key and the value in its slot.
+    The query is rotated even for a padded token (slot -1), so `q_out` is always defined."""
+    token = tl.program_id(0).to(tl.int64)
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    dims = tl.arange(0, HALF)
+    dim_ok = dims < half_dim
+    cos = tl.load(cos_sin_ptr + position * stride_cs + dims, mask=dim_ok)[None, :]
+    sin = tl.load(cos_sin_ptr + position * stride_cs + half_dim + dims, mask=dim_ok)[None, :]
+
+    q_heads = tl.arange(0, Q_HEADS)[:, None]
+    q_mask = (q_heads < num_heads) & dim_ok[None, :]
+    q1_ptr = query_ptr + token * stride_qt + q_heads * stride_qh + dims[None, :] * stride_qd
+    q1 = tl.load(q1_ptr, mask=q_mask).to(tl.float32)
+    q2 = tl.load(q1_ptr + half_dim * stride_qd, mask=q_mask).to(tl.float32)
+    o1_ptr = q_out_ptr + token * stride_ot + q_heads * stride_oh + dims[None, :] * stride_od
+    tl.store(o1_ptr, (q1 * cos - q2 * sin).to(q_out_ptr.dtype.element_ty), mask=q_mask)
+    tl.store(o1_ptr + half_dim * stride_od, (q2 * cos + q1 * sin).to(q_out_ptr.dtype.element_ty), mask=q_mask)
+
+    slot = tl.load(slot_mapping_ptr + token)
+    if slot < 0:
+        return
+    kv_heads = tl.arange(0, KV_HEADS)[:, None]
+    kv_mask = (kv_heads < num_kv_heads) & dim_ok[None, :]
+    k1_ptr = key_ptr + token * stride_kt + kv_heads * stride_kh + dims[None, :] * stride_kd
+    k1 = tl.load(k1_ptr, mask=kv_mask).to(tl.float32)
+    k2 = tl.load(k1_ptr + half_dim * stride_kd, mask=kv_mask).to(tl.float32)
+    v_ptr = value_ptr + token * stride_vt + kv_heads * stride_vh + dims[None, :] * stride_vd
+    v1 = tl.load(v_ptr, mask=kv_mask)
+    v2 = tl.load(v_ptr + half_dim * stride_vd, mask=kv_mask)
+    dst = (cache_ptr + (slot // BLOCK_SIZE) * stride_c_block + (slot % BLOCK_SIZE) * stride_c_slot
+           + kv_heads * stride_c_head + dims[None, :] * stride_c_dim)
+    tl.store(dst, (k1 * cos - k2 * sin).to(cache_ptr.dtype.element_ty), mask=kv_mask)
+    tl.store(dst + half_dim * stride_c_dim, (k2 * cos + k1 * sin).to(cache_ptr.dtype.element_ty), mask=kv_mask)
+    tl.store(dst + stride_c_kv, v1, mask=kv_mask)
+    tl.store(dst + stride_c_kv + half_dim * stride_c_dim, v2, mask=kv_mask)
+
+
+def rope_write_kv_cache(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+) -> torch.Tensor:
+    """The rotary embedding and the KV-cache write in one kernel: returns the rotated queries
+    ([num_tokens, num_heads, head_dim], a new tensor) and stores the rotated keys and the values
+    at their slots (a slot of -1 writes nothing). `query`/`key`/`value` may be strided views of
+    the fused QKV projection's output; `cos_sin_cache` is float32 [max_position, head_dim]."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    if head_dim % 2 or cos_sin_cache.shape[-1] != head_dim:
+        raise ValueError(f"rotary table width {cos_sin_cache.shape[-1]} must equal the even head_dim {head_dim}")
+    q_out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
+    if num_tokens == 0:
+        return q_out
+    _rope_write_kv_cache_kernel[(num_tokens,)](
+        query, key, value, q_out, kv_cache, slot_mapping, positions, cos_sin_cache,
+        num_heads, num_kv_heads, head_dim // 2,
+        *query.stride(), *key.stride(), *value.stride(), *q_out.stride(), *kv_cache.stride(),
+        cos_sin_cache.stride(0),
+        BLOCK_SIZE=kv_cache.shape[2],
+        Q_HEADS=triton.next_power_of_2(num_heads),
+        KV_HEADS=triton.next_power_of_2(num_kv_heads),
+        HALF=triton.next_power_of_2(head_dim // 2),
+    )
+    return q_out
+
+
+@triton.jit
 def _find_request(query_start_loc_ptr, num_reqs, q_block, BLOCK_Q: tl.constexpr):
     """The request owning the program's query block; `num_reqs` means the padded tail.
 

@@ -44,6 +44,12 @@ def parse_sizes(text: str) -> list[int]:
     return [int(s) for s in text.split(",") if s.strip()]
 
 
+def parse_pass_names(text: str) -> list[str]:
+    """'rotary_attention,silu_mul_linear' -> the list; 'none' -> []"""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    return [] if names == ["none"] else names
+
+
 def flag(help: str, *, group: str = "engine", short: str | None = None, choices: Any = None,
          parse: Callable[[str], Any] | None = None, metavar: str | None = None) -> dict[str, Any]:
     """A field's command-line flag: `--field-name` (and `short`), typed from its annotation unless
@@ -112,6 +118,11 @@ class EngineArgs:
     inductor_options: dict | None = _setting(
         None, 'Inductor config patches as JSON, e.g. \'{"cpp_wrapper": true}\' (default: tuned per device).',
         group="compilation", parse=json.loads)
+    compile_passes: list[str] | None = _setting(
+        None, "Compiler fusion passes, comma-separated, or 'none' (default: all, each fusing where its pattern "
+        "occurs): rotary_attention (the rotary embedding inside the attention op's KV-cache write), "
+        "silu_mul_linear (SwiGLU's gate inside the CPU down projection).", group="compilation",
+        parse=parse_pass_names)
     cache_signing_key_file: str | None = _setting(
         None, "File holding a secret key (16+ bytes): precompile signs the compile cache entry with it and a "
         "start refuses an entry not signed with it, before loading any of it.", group="compilation")
@@ -152,6 +163,7 @@ class EngineArgs:
             cudagraph_capture_sizes=self.cudagraph_capture_sizes,
             inductor_options=self.inductor_options,
             cache_signing_key_file=self.cache_signing_key_file,
+            passes=self.compile_passes,
         )
         return EngineConfig(
             model_config,

@@ -221,6 +221,17 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c1
   return y.view(sizes);
 }
 
+// SwiGLU's gate folded into the down projection: silu(x[:, :I]) * x[:, I:] feeds the GEMM inside
+// one op call (ATen's vectorised silu and mul), so a layer's MLP is two calls instead of three.
+at::Tensor silu_and_mul_packed_linear(const at::Tensor& x, const at::Tensor& packed,
+                                      const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  const int64_t I = x.size(-1) / 2;
+  TORCH_CHECK(x.size(-1) == 2 * I, "x must hold gate and up halves, got ", x.size(-1), " features");
+  at::Tensor act = at::silu(x.narrow(-1, 0, I));
+  act.mul_(x.narrow(-1, I, I));
+  return packed_linear(act, packed, bias, out_features);
+}
+
 int64_t native_panel_width() { return kNativePanel; }
 
 }  // namespace
@@ -228,12 +239,14 @@ int64_t native_panel_width() { return kNativePanel; }
 TORCH_LIBRARY_FRAGMENT(compiled_llm_cpu, m) {
   m.def("pack_linear_weight(Tensor weight, int panel=0) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+  m.def("silu_and_mul_packed_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.def("native_panel_width() -> int");
 }
 
 TORCH_LIBRARY_IMPL(compiled_llm_cpu, CPU, m) {
   m.impl("pack_linear_weight", pack_linear_weight);
   m.impl("packed_linear", packed_linear);
+  m.impl("silu_and_mul_packed_linear", silu_and_mul_packed_linear);
 }
 
 TORCH_LIBRARY_IMPL(compiled_llm_cpu, CompositeExplicitAutograd, m) {

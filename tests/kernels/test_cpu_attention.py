@@ -170,6 +170,54 @@ def test_attention_step_matches_reference(requests, heads, head_dim, block_size,
         assert torch.equal(out[-padding:], torch.zeros_like(out[-padding:]))
 
 
+@settings(max_examples=25, deadline=None)
+@given(
+    requests=st.lists(st.tuples(st.integers(1, 30), st.integers(0, 40)), min_size=1, max_size=4),
+    heads=st.sampled_from([(4, 4), (9, 3), (8, 1)]),
+    head_dim=st.sampled_from([64, 32, 24]),
+    padding=st.integers(0, 2),
+    strided_query=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_attention_step_with_rotary_matches_rotary_then_attention(requests, heads, head_dim, padding,
+                                                                   strided_query, seed):
+    """What the rotary fusion pass produces (the op rotating its unrotated, strided inputs itself)
+    equals the unfused sequence: the reference rotary, then the op."""
+    from compiled_llm.kernels.rotary import rotary_embedding
+    from compiled_llm.models.layers.rotary import RotaryEmbedding
+
+    requests = sorted(requests, key=lambda r: r[0] != 1)
+    q, k, v, cache, meta = make_batch([r[0] for r in requests], [r[1] for r in requests], *heads, head_dim, 16,
+                                      seed=seed)
+    if padding:
+        q, k, v = (torch.cat([t, torch.randn(padding, *t.shape[1:])]) for t in (q, k, v))
+        meta.slot_mapping = torch.cat([meta.slot_mapping, torch.full((padding,), -1, dtype=torch.int64)])
+    if strided_query:  # as a view of the fused QKV output
+        q = torch.cat([q, torch.randn(q.shape[0], 2, head_dim)], dim=1)[:, : heads[0]]
+    table = RotaryEmbedding(head_dim, 512, 10000.0).cos_sin_cache
+    positions = torch.randint(0, 512, (q.shape[0],), generator=torch.Generator().manual_seed(seed))
+    ref_cache, ref_out = cache.clone(), torch.full_like(q, float("nan")).contiguous()
+    attention(*rotary_embedding(positions, q, k, table), v, ref_out, ref_cache, meta, 0.3)
+    out = torch.full_like(ref_out, float("nan"))
+    attention(q, k, v, out, cache, meta, 0.3, positions, table)
+    torch.testing.assert_close(cache, ref_cache, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_step_rejects_bad_rotary_arguments():
+    q, k, v, cache, meta = make_batch([1, 3], [4, 0], 4, 2, 64, 16)
+    args = (meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc, 2, 1, 4, 0.1)
+    table = torch.zeros(8, 64)
+    with pytest.raises(RuntimeError, match="go together"):
+        torch.ops.compiled_llm_cpu.attention_step(q, k, v, torch.empty_like(q), cache, *args, torch.zeros(4).long())
+    with pytest.raises(RuntimeError, match="outside the rotary table"):
+        torch.ops.compiled_llm_cpu.attention_step(q, k, v, torch.empty_like(q), cache, *args,
+                                                  torch.tensor([0, 1, 8, 2]), table)
+    with pytest.raises(RuntimeError, match="cos_sin_cache must be"):
+        torch.ops.compiled_llm_cpu.attention_step(q, k, v, torch.empty_like(q), cache, *args,
+                                                  torch.zeros(4).long(), torch.zeros(8, 32))
+
+
 def test_attention_step_rejects_bad_arguments():
     q, k, v, cache, meta = make_batch([1, 3], [4, 0], 4, 2, 64, 16)
     args = (meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc)

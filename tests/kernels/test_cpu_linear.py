@@ -52,6 +52,28 @@ def test_packed_linear_matches_f_linear(rows, out_features, in_features, bias, p
     torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-4, atol=1e-4)
 
 
+@settings(max_examples=30, deadline=None)
+@given(
+    rows=st.integers(0, 20) | st.sampled_from([64, 129]),
+    intermediate=st.integers(1, 60),
+    out_features=st.integers(1, 40),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_silu_and_mul_packed_linear_matches_the_unfused_pair(rows, intermediate, out_features, bias, seed):
+    """What the SiLU-and-mul fusion pass produces equals the gate followed by the projection."""
+    from compiled_llm.models.layers.activation import silu_and_mul
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, 2 * intermediate, generator=g)
+    w = torch.randn(out_features, intermediate, generator=g)
+    b = torch.randn(out_features, generator=g) if bias else None
+    got = torch.ops.compiled_llm_cpu.silu_and_mul_packed_linear(x, pack(w), b, out_features)
+    torch.testing.assert_close(got, packed_linear(silu_and_mul(x), pack(w), b, out_features), rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="gate and up halves"):
+        torch.ops.compiled_llm_cpu.silu_and_mul_packed_linear(torch.randn(2, 5), pack(w), b, out_features)
+
+
 def test_model_shapes_at_decode_and_prefill_sizes():
     """SmolLM2's projections (K = 576 and 1536) and a tall output projection, every row count the
     engine runs, against float64."""

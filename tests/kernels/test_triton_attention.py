@@ -182,10 +182,49 @@ def check_write(dtype: torch.dtype, device: str, num_tokens: int = 37, block_siz
     assert torch.equal(cache.cpu(), expected)
 
 
+ROPE_WRITE_CASES = {"rope-write-fp32": torch.float32, "rope-write-fp16": torch.float16,
+                    "rope-write-bf16": torch.bfloat16}
+
+
+def check_rope_write(dtype: torch.dtype, device: str, num_tokens: int = 29, block_size: int = 16) -> None:
+    """The fused rotary + KV write equals the reference rotary followed by the reference write:
+    queries, keys and values read as strided views of one QKV output, -1 slots skipped, the
+    rotated queries returned for every row (padded ones included)."""
+    from compiled_llm.kernels.rotary import rotary_embedding
+    from compiled_llm.models.layers.rotary import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(2)
+    num_heads, num_kv_heads, head_dim = 9, 3, 64
+    table = RotaryEmbedding(head_dim, 4096, 100000.0).cos_sin_cache
+    qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=gen).to(dtype)
+    query, key, value = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+    positions = torch.randint(0, 4096, (num_tokens,), generator=gen)
+    num_blocks = -(-num_tokens // block_size) + 2
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[::5] = -1
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    expected_cache = cache.clone()
+    rotated_q, rotated_k = rotary_embedding(positions, query, key, table)
+    cpu_attention.write_kv_cache(rotated_k, value, expected_cache, slots, reference=True)
+    cache = cache.to(device)
+    q_out = triton_attention.rope_write_kv_cache(
+        query.to(device), key.to(device), value.to(device), cache, slots.to(device), positions.to(device),
+        table.to(device),
+    )
+    tolerance = {torch.float32: 1e-5}.get(dtype, 1e-2)  # one rounding of a float32 result either way
+    torch.testing.assert_close(q_out.cpu(), rotated_q, atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(cache.cpu(), expected_cache, atol=tolerance, rtol=tolerance)
+    untouched = torch.ones(2, num_blocks * block_size, dtype=torch.bool)
+    untouched[:, slots[slots >= 0]] = False
+    flat = lambda c: c.view(2, num_blocks * block_size, -1)  # noqa: E731
+    assert torch.equal(flat(cache.cpu())[untouched], flat(expected_cache)[untouched])
+
+
 def _run_interpreted_cases() -> dict[str, str | None]:
     """Every CPU case in this process (TRITON_INTERPRET=1): its traceback, or None if it passed."""
     cases = {b.name: (check_attention, b) for b in CPU_BATCHES}
     cases |= {name: (check_write, dtype) for name, dtype in WRITE_CASES.items()}
+    cases |= {name: (check_rope_write, dtype) for name, dtype in ROPE_WRITE_CASES.items()}
     results: dict[str, str | None] = {}
     for name, (check, arg) in cases.items():
         try:
@@ -206,7 +245,7 @@ def interpreted_results() -> dict[str, str | None]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("name", [b.name for b in CPU_BATCHES] + list(WRITE_CASES))
+@pytest.mark.parametrize("name", [b.name for b in CPU_BATCHES] + list(WRITE_CASES) + list(ROPE_WRITE_CASES))
 def test_interpreted_kernel_matches_reference(interpreted_results, name):
     assert name in interpreted_results, f"case {name} did not run"
     assert interpreted_results[name] is None, interpreted_results[name]
@@ -243,6 +282,12 @@ def test_gpu_attention_matches_reference(batch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_gpu_write_kv_cache_matches_reference(dtype):
     check_write(dtype, "cuda", num_tokens=1000, block_size=16)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_gpu_rope_write_kv_cache_matches_reference(dtype):
+    check_rope_write(dtype, "cuda", num_tokens=1000)
 
 
 @pytest.mark.cuda

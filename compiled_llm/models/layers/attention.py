@@ -18,31 +18,36 @@ from compiled_llm.kernels.cpu_attention import attention as cpu_attention
 
 _lib = torch.library.Library("compiled_llm", "FRAGMENT")
 _lib.define(
-    "attention(Tensor query, Tensor key, Tensor value, Tensor(a!) output, Tensor(b!) kv_cache, float scale) -> ()"
+    "attention(Tensor query, Tensor key, Tensor value, Tensor(a!) output, Tensor(b!) kv_cache, float scale, "
+    "Tensor? positions=None, Tensor? cos_sin_cache=None) -> ()"
 )
 
 
 def _attention_cpu(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor, kv_cache: torch.Tensor,
-    scale: float,
+    scale: float, positions: torch.Tensor | None = None, cos_sin_cache: torch.Tensor | None = None,
 ) -> None:
-    cpu_attention(query, key, value, output, kv_cache, get_forward_context().attn_metadata, scale)
+    cpu_attention(query, key, value, output, kv_cache, get_forward_context().attn_metadata, scale, positions,
+                  cos_sin_cache)
 
 
 def _attention_cuda(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor, kv_cache: torch.Tensor,
-    scale: float,
+    scale: float, positions: torch.Tensor | None = None, cos_sin_cache: torch.Tensor | None = None,
 ) -> None:
-    from compiled_llm.kernels.triton_attention import unified_attention, write_kv_cache
+    from compiled_llm.kernels.triton_attention import rope_write_kv_cache, unified_attention, write_kv_cache
 
     metadata = get_forward_context().attn_metadata
-    write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+    if positions is None:
+        write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+    else:  # one kernel: rotate the queries (into a new buffer) and keys, write keys and values
+        query = rope_write_kv_cache(query, key, value, kv_cache, metadata.slot_mapping, positions, cos_sin_cache)
     unified_attention(query, kv_cache, metadata, scale, output=output)
 
 
 def _attention_fake(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor, kv_cache: torch.Tensor,
-    scale: float,
+    scale: float, positions: torch.Tensor | None = None, cos_sin_cache: torch.Tensor | None = None,
 ) -> None:
     return None
 

@@ -1,4 +1,10 @@
-"""Rotary position embeddings (NeoX layout, as Llama and Qwen use), with llama3 and linear scaling."""
+"""Rotary position embeddings (NeoX layout, as Llama and Qwen use), with llama3 and linear scaling.
+
+The rotation is the op `compiled_llm::rotary_embedding`, implemented for every backend by its
+decomposition (CompositeImplicitAutograd): Inductor sees plain tensor code and fuses it as before,
+while the traced graph keeps one recognisable node that a fusion pass can fold into the attention
+op that consumes it (compilation/rotary_attention_fusion.py).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,12 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from compiled_llm.kernels.rotary import rotary_embedding
+
+_lib = torch.library.Library("compiled_llm", "FRAGMENT")
+_lib.define("rotary_embedding(Tensor positions, Tensor query, Tensor key, Tensor cos_sin_cache) -> (Tensor, Tensor)")
+_lib.impl("rotary_embedding", rotary_embedding, "CompositeImplicitAutograd")
 
 
 def _inv_freq(head_dim: int, theta: float) -> torch.Tensor:
@@ -46,14 +58,8 @@ class RotaryEmbedding(nn.Module):
         cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(torch.float32)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.float().chunk(2, dim=-1)
-        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-        return out.to(x.dtype)
-
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`query` [T, H, D] and `key` [T, Hkv, D] rotated by `positions` [T]."""
-        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
-        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+        return torch.ops.compiled_llm.rotary_embedding(positions, query, key, self.cos_sin_cache)
