@@ -4,8 +4,9 @@
 # of time leaves the others' figures intact.
 #   tests    the `cuda`-marked tests (CUDA-graph wrapper, Triton kernels on the GPU, -O2 end to end);
 #            meanwhile the benchmarks' cold compiles run (precompile, the HF peer's compiled calls);
-#   profile  benchmarks/gpu_profile.py: -O2 decode steps at batch 1/8/32/64, async and sync scheduling:
-#            step wall time, GPU kernel time and busy fraction, kernels per step, top kernels (torch.profiler);
+#   profile  benchmarks/gpu_profile.py: -O2 decode steps at batch 1/8/32/64, async and sync scheduling,
+#            and at batch 1/8 with the fusion passes off (before/after): step wall time, GPU kernel time
+#            and busy fraction, kernels per step, top kernels (torch.profiler);
 #   peer     benchmarks/gpu_hf_peer.py: HF transformers, plain `generate` and static cache +
 #            torch.compile(mode="reduce-overhead"), batch 1/8/32;
 #   serve    benchmarks/gpu_serve.py: `compiled-llm serve` with its GPU defaults under 1/8/32 streaming
@@ -75,6 +76,11 @@ if wants profile || wants serve; then
   timeout $(( 130 * scale )) python3 -m compiled_llm.entrypoints.cli precompile "$model" --load-format dummy \
     --compile-cache "$CACHE" > /tmp/gpu-check-precompile.log 2>&1 &
   background+=("precompile:$!:/tmp/gpu-check-precompile.log")
+  if wants profile; then  # the profile's `unfused` mode: the same model with the fusion passes off
+    timeout $(( 130 * scale )) python3 -m compiled_llm.entrypoints.cli precompile "$model" --load-format dummy \
+      --compile-cache "$CACHE" --compile-passes none > /tmp/gpu-check-precompile-unfused.log 2>&1 &
+    background+=("precompile unfused:$!:/tmp/gpu-check-precompile-unfused.log")
+  fi
 fi
 if wants peer; then
   timeout $(( 130 * scale )) python3 benchmarks/gpu_hf_peer.py --compile-only --budget-s $(( 110 * scale )) \

@@ -1,6 +1,7 @@
 """Where a decode step's time goes on a GPU: step wall time, GPU kernel time, the GPU's busy
 fraction, kernels per step and the kernels that cost most, per batch size, with synchronous and
-asynchronous scheduling.
+asynchronous scheduling, and with the compiler's fusion passes off (mode `unfused`: asynchronous
+scheduling, `compile_passes=[]`, batches up to 8) for the kernels per step before and after them.
 
 The engine runs in this process (`LLMEngine.step()`, as `LLM.generate` drives it) at -O2
 (compiled pieces + CUDA graphs) in bf16 on a model of SmolLM2-135M's shape with random weights.
@@ -191,11 +192,12 @@ def write_trace(engine: Any, path: str, gpu: bool, steps: int) -> None:
         os.remove(plain)
 
 
-def build_engine(folder: str, level: int, cache: str, async_scheduling: bool, max_batch: int) -> LLM:
+def build_engine(folder: str, level: int, cache: str, mode: str, max_batch: int) -> LLM:
     gpu = on_gpu()
     return LLM(folder, load_format="dummy", dtype="bfloat16" if gpu else "float32", optimization_level=level,
                compile_cache=cache, max_model_len=1024, max_num_seqs=max_batch, enable_prefix_caching=False,
-               async_scheduling=async_scheduling, kv_cache_memory_bytes=(4 << 30) if gpu else (64 << 20))
+               async_scheduling=mode != "sync", compile_passes=[] if mode == "unfused" else None,
+               kv_cache_memory_bytes=(4 << 30) if gpu else (64 << 20))
 
 
 def print_table(results: ResultsFile) -> None:
@@ -220,7 +222,8 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="write the results here (after every figure)")
     parser.add_argument("--trace", default=None, help="write a trace of batch-1 steps here (.json or .json.gz)")
     parser.add_argument("--batches", default=None, help="default 1,8,32,64 (CPU smoke: 1,2)")
-    parser.add_argument("--modes", default="async,sync", help="scheduling modes, in this order")
+    parser.add_argument("--modes", default="async,sync,unfused",
+                        help="in this order: async, sync (scheduling), unfused (async, no fusion passes)")
     parser.add_argument("--level", type=int, default=None, help="optimization level (default 2; CPU smoke: 1)")
     parser.add_argument("--compile-cache", default=None, help="compile cache folder (default: a temporary one)")
     parser.add_argument("--budget-s", type=float, default=150, help="skip parts that would end later than this")
@@ -235,8 +238,8 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")] if args.batches else batches
     level = args.level if args.level is not None else level
     modes = [m.strip() for m in args.modes.split(",")]
-    if bad := [m for m in modes if m not in ("async", "sync")]:
-        parser.error(f"--modes takes async and sync, got {bad}")
+    if bad := [m for m in modes if m not in ("async", "sync", "unfused")]:
+        parser.error(f"--modes takes async, sync and unfused, got {bad}")
     config = model_config()
     results = ResultsFile(args.json, level=level, lengths=vars(lengths))
     with tempfile.TemporaryDirectory() as tmp:
@@ -249,13 +252,13 @@ def main() -> None:
                 continue
             started = time.perf_counter()
             try:
-                llm = build_engine(folder, level, cache, mode == "async", max(batches))
+                llm = build_engine(folder, level, cache, mode, max(batches))
             except Exception:
                 results.fail(f"{mode}: the engine")
                 continue
             engine_s = max(engine_s, time.perf_counter() - started)
             print(f"-O{level} {mode}: engine ready in {time.perf_counter() - started:.1f} s", flush=True)
-            for batch in batches:
+            for batch in [b for b in batches if mode != "unfused" or b <= 8]:
                 name = f"{mode}/b{batch}"
                 if item_s and not budget.allows(item_s * 1.5):
                     results.skip(name)

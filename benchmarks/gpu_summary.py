@@ -61,6 +61,8 @@ def decode_table(data: dict[str, dict[str, Any]]) -> list[str]:
         ("busy", "profile", "async/b{b}", "busy_fraction", pct),
         ("kernel ms", "profile", "async/b{b}", "kernel_ms_per_step", ms),
         ("kernels/step", "profile", "async/b{b}", "kernels_per_step", lambda v: f"{v:.0f}"),
+        ("kernels/step unfused", "profile", "unfused/b{b}", "kernels_per_step", lambda v: f"{v:.0f}"),
+        ("unfused step ms", "profile", "unfused/b{b}", "step_ms", ms),
         ("sync step ms", "profile", "sync/b{b}", "step_ms", ms),
         ("sync tok/s", "profile", "sync/b{b}", "tokens_per_s", None),
         ("sync busy", "profile", "sync/b{b}", "busy_fraction", pct),
