@@ -4,9 +4,13 @@ Before: `q, k = rotary_embedding(positions, q, k, cos_sin)` in the compiled piec
 Inductor kernels a layer), then `attention(q, k, v, out, kv_cache, scale)` (on a GPU a KV-cache
 write kernel and an attention kernel). After: `attention(q, k, v, out, kv_cache, scale, positions,
 cos_sin)`, whose KV-cache write kernel rotates the queries and keys itself: one kernel fewer or
-two a layer on a GPU, one op call fewer a layer on a CPU. The queries, keys and values reach the
-op as the views of the fused QKV projection's output that the split made, read in place: the
-QKV split costs no copy.
+two a layer on a GPU, one op call fewer a layer on a CPU.
+
+The QKV split is folded in too: where the unrotated queries, keys and values are the three views
+of one split of the fused QKV projection's output (as the models make them), the op's `qkv`
+overload takes that output whole, `attention.qkv(qkv, out, kv_cache, scale, num_kv_heads,
+positions, cos_sin)`, and makes the views itself. The compiled piece then returns one fresh
+buffer instead of three views of it (regenerating an aliased output costs about 5 us a call).
 
 The pass runs on the traced graph before it is split around the attention ops, the one place
 where the rotary (inside a piece) and its consumer (the splitting op) are in one graph.
@@ -40,6 +44,39 @@ def _rotary_output(node: object, index: int) -> fx.Node | None:
     return None
 
 
+def _split_view(node: object) -> tuple[fx.Node, int, tuple] | None:
+    """(split node, output index, view shape) if `node` is `view(split(x, sizes, dim=-1)[i], *shape)`."""
+    if not (isinstance(node, fx.Node) and node.op == "call_method" and node.target == "view"):
+        return None
+    item = node.args[0]
+    if not (isinstance(item, fx.Node) and item.op == "call_function" and item.target is operator.getitem):
+        return None
+    split = item.args[0]
+    if not (isinstance(split, fx.Node) and split.op == "call_method" and split.target == "split"):
+        return None
+    dim = split.kwargs.get("dim", split.args[2] if len(split.args) > 2 else 0)
+    return (split, item.args[1], tuple(node.args[1:])) if dim == -1 and len(split.args) >= 2 else None
+
+
+def _qkv_source(query: object, key: object, value: object) -> tuple[fx.Node, int] | None:
+    """(the fused QKV output, num_kv_heads) if the three are `view(-1, heads, head_dim)` of outputs
+    0, 1 and 2 of one split of it into exactly [H D, Hkv D, Hkv D] along the last dim."""
+    views = [_split_view(x) for x in (query, key, value)]
+    if any(v is None for v in views) or len({v[0] for v in views}) != 1:  # type: ignore[index]
+        return None
+    split = views[0][0]  # type: ignore[index]
+    shapes = [v[2] for v in views]  # type: ignore[index]
+    if [v[1] for v in views] != [0, 1, 2] or any(len(s) != 3 or s[0] != -1 for s in shapes):  # type: ignore[index]
+        return None
+    (_, heads, dim), (_, kv_heads, kv_dim), (_, v_heads, v_dim) = shapes
+    if not all(isinstance(x, int) for x in (heads, dim, kv_heads, kv_dim, v_heads, v_dim)):
+        return None
+    if (kv_heads, kv_dim, v_dim) != (v_heads, dim, dim) or list(split.args[1]) != [heads * dim, kv_heads * dim,
+                                                                                    kv_heads * dim]:
+        return None
+    return split.args[0], kv_heads
+
+
 def _shape_only(user: fx.Node) -> bool:
     target = user.target if user.op == "call_function" else user.target if user.op == "call_method" else None
     return target in _SHAPE_ONLY
@@ -67,11 +104,35 @@ class RotaryAttentionFusion:
                     user.replace_input_with(rotated, raw)
                     if user.target is torch.empty_like:  # the unrotated view is strided: ask for a dense buffer
                         user.kwargs = {**user.kwargs, "memory_format": torch.contiguous_format}
-            attention.args = (raw_query, raw_key, *attention.args[2:], positions, cos_sin_cache)
-            for node in (query, key):
-                if not node.users:
-                    graph.erase_node(node)
-            if not rotary.users:
-                graph.erase_node(rotary)
+            value, output, kv_cache, scale = attention.args[2:]
+            qkv = _qkv_source(raw_query, raw_key, value)
+            if qkv is None:
+                attention.args = (raw_query, raw_key, value, output, kv_cache, scale, positions, cos_sin_cache)
+            else:
+                with graph.inserting_before(attention):
+                    fused_call = graph.call_function(
+                        torch.ops.compiled_llm.attention.qkv,
+                        (qkv[0], output, kv_cache, scale, qkv[1], positions, cos_sin_cache),
+                    )
+                fused_call.meta = dict(attention.meta)
+                graph.erase_node(attention)
+            _erase_unused([query, key, rotary, raw_query, raw_key, value], graph)
             fused += 1
         return fused
+
+
+def _erase_unused(nodes: list[fx.Node], graph: fx.Graph) -> None:
+    """Erase nodes left without users, and then their inputs that are left without users and are
+    views or getitems (the split's), so that no dead view stays an output of a compiled piece."""
+    pending = list(nodes)
+    while pending:
+        node = pending.pop(0)
+        if getattr(node, "_erased", False) or node.users or node.op in ("placeholder", "output"):
+            continue
+        removable = node.op == "call_method" and node.target in ("view", "split") or node.target is operator.getitem \
+            or _is_op(node, ROTARY_OP)
+        if not removable:
+            continue
+        inputs = list(node.all_input_nodes)
+        graph.erase_node(node)
+        pending.extend(inputs)

@@ -55,6 +55,31 @@ def attention(
     paged_attention(query, key, value, kv_cache, metadata, scale, output=output)
 
 
+def attention_qkv(
+    qkv: torch.Tensor,
+    output: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    num_kv_heads: int,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+) -> None:
+    """`attention` of the queries, keys and values split from the fused QKV output `qkv`
+    [T, (H + 2 Hkv) D] (H and D from `output`), rotated by `positions` first."""
+    num_heads, head_dim = output.shape[1], output.shape[2]
+    if _use_cpp(kv_cache) and qkv.stride(1) == 1:
+        torch.ops.compiled_llm_cpu.attention_step_qkv.default(
+            qkv, output, kv_cache, metadata.slot_mapping, metadata.block_tables, metadata.seq_lens,
+            metadata.query_start_loc, metadata.num_reqs, metadata.num_decodes, metadata.num_actual_tokens, scale,
+            num_kv_heads, positions, cos_sin_cache,
+        )
+        return
+    heads = qkv.view(qkv.shape[0], num_heads + 2 * num_kv_heads, head_dim)
+    query, key, value = heads.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+    attention(query, key, value, output, kv_cache, metadata, scale, positions, cos_sin_cache)
+
+
 def write_kv_cache(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, reference: bool = False
 ) -> None:

@@ -92,6 +92,23 @@ void attention_step(const at::Tensor& query, const at::Tensor& key, const at::Te
   if (num_actual_tokens < num_tokens) output.narrow(0, num_actual_tokens, num_tokens - num_actual_tokens).zero_();
 }
 
+// The same for the rotary fusion pass's `attention.qkv` call: `qkv` is the fused projection's
+// output [T, (H + 2 Hkv) D], split here into the views the model's split would make (in C++:
+// the same three views from Python cost about 8 us a layer).
+void attention_step_qkv(const at::Tensor& qkv, at::Tensor& output, at::Tensor& kv_cache, const at::Tensor& slot_mapping,
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                        int64_t num_reqs, int64_t num_decodes, int64_t num_actual_tokens, double scale,
+                        int64_t num_kv_heads, const at::Tensor& positions, const at::Tensor& cos_sin_cache) {
+  TORCH_CHECK(output.dim() == 3, "output must be [tokens, heads, head_dim]");
+  const int64_t T = qkv.size(0), H = output.size(1), D = output.size(2);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (H + 2 * num_kv_heads) * D && qkv.stride(1) == 1,
+              "qkv must be [tokens, (heads + 2 kv_heads) * head_dim] with unit stride, got ", qkv.sizes());
+  at::Tensor heads = qkv.as_strided({T, H + 2 * num_kv_heads, D}, {qkv.stride(0), D, 1});
+  attention_step(heads.narrow(1, 0, H), heads.narrow(1, H, num_kv_heads), heads.narrow(1, H + num_kv_heads, num_kv_heads),
+                 output, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, num_reqs, num_decodes,
+                 num_actual_tokens, scale, positions, cos_sin_cache);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(compiled_llm_cpu, m) {
@@ -101,4 +118,14 @@ TORCH_LIBRARY_FRAGMENT(compiled_llm_cpu, m) {
       "int num_decodes, int num_actual_tokens, float scale, Tensor? positions=None, Tensor? cos_sin_cache=None) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(compiled_llm_cpu, CPU, m) { m.impl("attention_step", attention_step); }
+TORCH_LIBRARY_FRAGMENT(compiled_llm_cpu, m) {
+  m.def(
+      "attention_step_qkv(Tensor qkv, Tensor(a!) output, Tensor(b!) kv_cache, Tensor slot_mapping, "
+      "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, int num_reqs, int num_decodes, "
+      "int num_actual_tokens, float scale, int num_kv_heads, Tensor positions, Tensor cos_sin_cache) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(compiled_llm_cpu, CPU, m) {
+  m.impl("attention_step", attention_step);
+  m.impl("attention_step_qkv", attention_step_qkv);
+}

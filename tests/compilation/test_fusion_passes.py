@@ -46,17 +46,40 @@ def ops_in(gm: fx.GraphModule) -> list[str]:
     return [op_name(n.target) for n in gm.graph.nodes if n.op == "call_function" and op_name(n.target)]
 
 
-def test_rotary_folds_into_attention_reading_the_qkv_views():
+def test_rotary_and_qkv_split_fold_into_attention():
     gm = fx.symbolic_trace(AttentionBlock())
     assert RotaryAttentionFusion()(gm.graph) == 1
     gm.graph.lint()
     assert "compiled_llm::rotary_embedding" not in ops_in(gm)
     (attention,) = [n for n in gm.graph.nodes if op_name(n.target) == "compiled_llm::attention"]
-    query, key, value = attention.args[:3]
-    assert [a.target for a in (query, key, value)] == ["view"] * 3  # the split's views, not copies
+    assert attention.target is torch.ops.compiled_llm.attention.qkv
+    qkv, output, kv_cache, scale, num_kv_heads, positions, cos_sin = attention.args
+    assert qkv.target == "qkv" and (scale, num_kv_heads) == (0.5, 1)  # the projection's output, whole
+    assert [positions.target, cos_sin.target, kv_cache.target] == ["positions", "cos_sin_cache", "kv_cache"]
+    assert output.target is torch.empty_like and output.kwargs["memory_format"] is torch.contiguous_format
+    # What is left of the split feeds only the output buffer's shape: no view of qkv reaches the op.
+    (split,) = [n for n in gm.graph.nodes if n.target == "split"]
+    assert len(split.users) == 1
+
+
+class UnevenSplitBlock(AttentionBlock):
+    """Queries, keys and values that are not one split of one tensor: the rotary still folds in."""
+
+    def forward(self, positions: torch.Tensor, qkv: torch.Tensor):
+        q, k = qkv[:, :16].reshape(-1, 2, 8), qkv[:, 16:24].reshape(-1, 1, 8)
+        v = qkv[:, 24:].reshape(-1, 1, 8) * 2
+        q, k = torch.ops.compiled_llm.rotary_embedding(positions, q, k, self.cos_sin_cache)
+        output = torch.empty_like(q)
+        torch.ops.compiled_llm.attention(q, k, v, output, self.kv_cache, 0.5)
+        return output
+
+
+def test_rotary_folds_into_the_plain_attention_call_without_a_qkv_split():
+    gm = fx.symbolic_trace(UnevenSplitBlock())
+    assert RotaryAttentionFusion()(gm.graph) == 1
+    (attention,) = [n for n in gm.graph.nodes if op_name(n.target) == "compiled_llm::attention"]
+    assert len(attention.args) == 8 and attention.args[0].target == "reshape"
     assert [a.target for a in attention.args[6:]] == ["positions", "cos_sin_cache"]
-    (empty,) = [n for n in gm.graph.nodes if n.target is torch.empty_like]
-    assert empty.args[0] is query and empty.kwargs["memory_format"] is torch.contiguous_format
 
 
 def test_rotary_stays_where_the_rotated_query_is_needed_elsewhere():
@@ -108,12 +131,13 @@ def test_passes_are_configured_checked_and_part_of_the_cache_key(tiny_llama):
     assert PassManager([]).uuid() != PassManager(["rotary_attention"]).uuid()
 
 
-def fused_attention_calls(llm: LLM) -> int:
-    """Attention calls that rotate their own inputs, in the split graph's eager pieces."""
+def fused_attention_calls(llm: LLM, qkv_only: bool = False) -> int:
+    """Attention calls that rotate their own inputs (the qkv overload also splits them), in the
+    split graph's eager pieces."""
     split = llm.llm_engine.engine_core.runner.compiled_forward.backend.split
     graphs = [m.graph for m in split.modules() if isinstance(m, fx.GraphModule)]
-    return sum(1 for g in graphs for n in g.nodes
-               if op_name(n.target) == "compiled_llm::attention" and len(n.args) == 8)
+    return sum(1 for g in graphs for n in g.nodes if op_name(n.target) == "compiled_llm::attention"
+               and (n.target is torch.ops.compiled_llm.attention.qkv or (len(n.args) == 8 and not qkv_only)))
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama-biased"])
@@ -143,7 +167,7 @@ def test_fused_real_model_matches_unfused(real_model_path, warm_compile_cache, t
     params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=5, ignore_eos=True)
     fused = LLM(real_model_path, optimization_level=1, require_cache_hit=True, max_model_len=1024,
                 kv_cache_memory_bytes=128 << 20)
-    assert fused_attention_calls(fused) == 30
+    assert fused_attention_calls(fused, qkv_only=True) == 30  # every layer: split and rotary folded in
     ours = fused.generate(PROMPTS, params, use_tqdm=False)
     del fused
     unfused = LLM(real_model_path, optimization_level=1, compile_cache=str(tmp_path), compile_passes=[],

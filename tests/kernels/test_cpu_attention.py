@@ -204,6 +204,33 @@ def test_attention_step_with_rotary_matches_rotary_then_attention(requests, head
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4)])
+def test_attention_qkv_splits_the_fused_output_as_the_model_does(heads):
+    """The `attention.qkv` path (split and rotary in C++) equals the reference rotary and attention
+    over the model's own split of the same QKV output."""
+    from compiled_llm.kernels.cpu_attention import attention_qkv
+    from compiled_llm.kernels.rotary import rotary_embedding
+    from compiled_llm.models.layers.rotary import RotaryEmbedding
+
+    num_heads, num_kv_heads = heads
+    _, _, _, cache, meta = make_batch([1, 1, 6, 9], [30, 0, 17, 0], num_heads, num_kv_heads, 64, 16)
+    qkv = torch.randn(meta.num_actual_tokens, (num_heads + 2 * num_kv_heads) * 64)
+    q, k, v = (t.view(qkv.shape[0], -1, 64) for t in qkv.split([num_heads * 64, num_kv_heads * 64,
+                                                                 num_kv_heads * 64], dim=-1))
+    table = RotaryEmbedding(64, 256, 10000.0).cos_sin_cache
+    positions = torch.randint(0, 256, (qkv.shape[0],))
+    ref_cache, ref_out = cache.clone(), torch.empty(qkv.shape[0], num_heads, 64)
+    rotated_q, rotated_k = rotary_embedding(positions, q, k, table)
+    write_kv_cache(rotated_k, v, ref_cache, meta.slot_mapping, reference=True)
+    paged_attention(rotated_q, rotated_k, v, ref_cache, meta, 0.2, output=ref_out, reference=True)
+    out = torch.full_like(ref_out, float("nan"))
+    attention_qkv(qkv, out, cache, meta, 0.2, num_kv_heads, positions, table)
+    torch.testing.assert_close(cache, ref_cache, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="qkv must be"):
+        attention_qkv(qkv[:, :-64], out, cache, meta, 0.2, num_kv_heads, positions, table)
+
+
 def test_attention_step_rejects_bad_rotary_arguments():
     q, k, v, cache, meta = make_batch([1, 3], [4, 0], 4, 2, 64, 16)
     args = (meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc, 2, 1, 4, 0.1)

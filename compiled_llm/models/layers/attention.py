@@ -15,12 +15,26 @@ from torch import nn
 
 from compiled_llm.compilation.forward_context import get_forward_context
 from compiled_llm.kernels.cpu_attention import attention as cpu_attention
+from compiled_llm.kernels.cpu_attention import attention_qkv as cpu_attention_qkv
 
 _lib = torch.library.Library("compiled_llm", "FRAGMENT")
 _lib.define(
     "attention(Tensor query, Tensor key, Tensor value, Tensor(a!) output, Tensor(b!) kv_cache, float scale, "
     "Tensor? positions=None, Tensor? cos_sin_cache=None) -> ()"
 )
+_lib.define(
+    "attention.qkv(Tensor qkv, Tensor(a!) output, Tensor(b!) kv_cache, float scale, int num_kv_heads, "
+    "Tensor positions, Tensor cos_sin_cache) -> ()"
+)
+
+
+def split_qkv(
+    qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[T, (H + 2 Hkv) D] -> views [T, H, D], [T, Hkv, D], [T, Hkv, D], as the model's split makes."""
+    heads = qkv.view(qkv.shape[0], num_heads + 2 * num_kv_heads, head_dim)
+    return (heads.narrow(1, 0, num_heads), heads.narrow(1, num_heads, num_kv_heads),
+            heads.narrow(1, num_heads + num_kv_heads, num_kv_heads))
 
 
 def _attention_cpu(
@@ -45,6 +59,29 @@ def _attention_cuda(
     unified_attention(query, kv_cache, metadata, scale, output=output)
 
 
+def _attention_qkv_cpu(
+    qkv: torch.Tensor, output: torch.Tensor, kv_cache: torch.Tensor, scale: float, num_kv_heads: int,
+    positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+) -> None:
+    cpu_attention_qkv(qkv, output, kv_cache, get_forward_context().attn_metadata, scale, num_kv_heads, positions,
+                      cos_sin_cache)
+
+
+def _attention_qkv_cuda(
+    qkv: torch.Tensor, output: torch.Tensor, kv_cache: torch.Tensor, scale: float, num_kv_heads: int,
+    positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+) -> None:
+    query, key, value = split_qkv(qkv, output.shape[1], num_kv_heads, output.shape[2])
+    _attention_cuda(query, key, value, output, kv_cache, scale, positions, cos_sin_cache)
+
+
+def _attention_qkv_fake(
+    qkv: torch.Tensor, output: torch.Tensor, kv_cache: torch.Tensor, scale: float, num_kv_heads: int,
+    positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+) -> None:
+    return None
+
+
 def _attention_fake(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor, kv_cache: torch.Tensor,
     scale: float, positions: torch.Tensor | None = None, cos_sin_cache: torch.Tensor | None = None,
@@ -55,6 +92,9 @@ def _attention_fake(
 _lib.impl("attention", _attention_cpu, "CPU")
 _lib.impl("attention", _attention_cuda, "CUDA")
 torch.library.register_fake("compiled_llm::attention", _attention_fake, lib=_lib)
+_lib.impl("attention.qkv", _attention_qkv_cpu, "CPU")
+_lib.impl("attention.qkv", _attention_qkv_cuda, "CUDA")
+torch.library.register_fake("compiled_llm::attention.qkv", _attention_qkv_fake, lib=_lib)
 
 
 class Attention(nn.Module):
