@@ -220,11 +220,43 @@ def check_rope_write(dtype: torch.dtype, device: str, num_tokens: int = 29, bloc
     assert torch.equal(flat(cache.cpu())[untouched], flat(expected_cache)[untouched])
 
 
+def check_fused_attention_op(batch: Batch, device: str) -> None:
+    """The GPU implementation of the op the rotary fusion pass calls (`attention.qkv`: split, rotary
+    and KV write in one Triton kernel, then attention) equals the unfused sequence through the torch
+    reference: the model's split, the reference rotary, the reference write and attention."""
+    from compiled_llm.compilation.forward_context import set_forward_context
+    from compiled_llm.kernels.rotary import rotary_embedding
+    from compiled_llm.models.layers.attention import _attention_qkv_cuda
+    from compiled_llm.models.layers.rotary import RotaryEmbedding
+
+    query, key, value, kv_cache, metadata, num_real, real_reqs = _make_batch(batch, device)
+    qkv = torch.cat([t.flatten(1) for t in (query, key, value)], dim=1)  # what the QKV projection returns
+    table = RotaryEmbedding(batch.head_dim, 4096, 10000.0).cos_sin_cache.to(device)
+    positions = torch.randint(0, 4096, (qkv.shape[0],), generator=torch.Generator().manual_seed(3)).to(device)
+    scale = batch.head_dim**-0.5
+    expected_cache = kv_cache.cpu().clone()
+    output = torch.full_like(query, float("nan"))
+    with set_forward_context(metadata):
+        _attention_qkv_cuda(qkv, output, kv_cache, scale, batch.num_kv_heads, positions, table)
+    rotated_q, rotated_k = rotary_embedding(positions.cpu(), query.cpu(), key.cpu(), table.cpu())
+    cpu_attention.write_kv_cache(rotated_k, value.cpu(), expected_cache, metadata.slot_mapping.cpu(), reference=True)
+    f32 = lambda t: t.cpu().float()  # noqa: E731
+    torch.testing.assert_close(f32(kv_cache).nan_to_num(), f32(expected_cache).nan_to_num(),
+                               atol=batch.tolerance, rtol=batch.tolerance)
+    expected = _reference(rotated_q, rotated_k, value, kv_cache, metadata, num_real, real_reqs, scale)
+    torch.testing.assert_close(f32(output[:num_real]), expected, atol=batch.tolerance, rtol=batch.tolerance)
+
+
+FUSED_CASES = {f"fused-op-{b.name}": b for b in CPU_BATCHES if b.name in ("mixed-gqa3-d64-padded",
+                                                                              "decode-gqa3-d32")}
+
+
 def _run_interpreted_cases() -> dict[str, str | None]:
     """Every CPU case in this process (TRITON_INTERPRET=1): its traceback, or None if it passed."""
     cases = {b.name: (check_attention, b) for b in CPU_BATCHES}
     cases |= {name: (check_write, dtype) for name, dtype in WRITE_CASES.items()}
     cases |= {name: (check_rope_write, dtype) for name, dtype in ROPE_WRITE_CASES.items()}
+    cases |= {name: (check_fused_attention_op, b) for name, b in FUSED_CASES.items()}
     results: dict[str, str | None] = {}
     for name, (check, arg) in cases.items():
         try:
@@ -245,7 +277,8 @@ def interpreted_results() -> dict[str, str | None]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("name", [b.name for b in CPU_BATCHES] + list(WRITE_CASES) + list(ROPE_WRITE_CASES))
+@pytest.mark.parametrize("name", [b.name for b in CPU_BATCHES] + list(WRITE_CASES) + list(ROPE_WRITE_CASES)
+                         + list(FUSED_CASES))
 def test_interpreted_kernel_matches_reference(interpreted_results, name):
     assert name in interpreted_results, f"case {name} did not run"
     assert interpreted_results[name] is None, interpreted_results[name]
@@ -288,6 +321,12 @@ def test_gpu_write_kv_cache_matches_reference(dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_gpu_rope_write_kv_cache_matches_reference(dtype):
     check_rope_write(dtype, "cuda", num_tokens=1000)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("batch", GPU_BATCHES[:4], ids=lambda b: b.name)
+def test_gpu_fused_attention_op_matches_reference(batch):
+    check_fused_attention_op(batch, "cuda")
 
 
 @pytest.mark.cuda
