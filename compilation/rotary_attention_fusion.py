@@ -10,7 +10,7 @@ The QKV split is folded in too: where the unrotated queries, keys and values are
 of one split of the fused QKV projection's output (as the models make them), the op's `qkv`
 overload takes that output whole, `attention.qkv(qkv, out, kv_cache, scale, num_kv_heads,
 positions, cos_sin)`, and makes the views itself. The compiled piece then returns one fresh
-buffer instead of three views of it (regenerating an aliased output costs about 5 us a call).
+buffer instead of three views of it (regenerating an aliased output costs about 7 us a call).
 
 The pass runs on the traced graph before it is split around the attention ops, the one place
 where the rotary (inside a piece) and its consumer (the splitting op) are in one graph.
@@ -29,7 +29,7 @@ ROTARY_OP = "compiled_llm::rotary_embedding"
 ATTENTION_OP = "compiled_llm::attention"
 # Users of a rotated tensor that only read its shape and dtype: they may take the unrotated
 # tensor instead (same shape and dtype).
-_SHAPE_ONLY = {torch.empty_like, torch.Tensor.new_empty, "size", "new_empty"}
+_SHAPE_ONLY = {torch.empty_like, "size", "new_empty"}
 
 
 def _is_op(node: fx.Node, name: str) -> bool:
@@ -61,25 +61,23 @@ def _split_view(node: object) -> tuple[fx.Node, int, tuple] | None:
 def _qkv_source(query: object, key: object, value: object) -> tuple[fx.Node, int] | None:
     """(the fused QKV output, num_kv_heads) if the three are `view(-1, heads, head_dim)` of outputs
     0, 1 and 2 of one split of it into exactly [H D, Hkv D, Hkv D] along the last dim."""
-    views = [_split_view(x) for x in (query, key, value)]
-    if any(v is None for v in views) or len({v[0] for v in views}) != 1:  # type: ignore[index]
+    found = [_split_view(x) for x in (query, key, value)]
+    views = [v for v in found if v is not None]
+    if len(views) != 3 or len({split for split, _, _ in views}) != 1 or [i for _, i, _ in views] != [0, 1, 2]:
         return None
-    split = views[0][0]  # type: ignore[index]
-    shapes = [v[2] for v in views]  # type: ignore[index]
-    if [v[1] for v in views] != [0, 1, 2] or any(len(s) != 3 or s[0] != -1 for s in shapes):  # type: ignore[index]
+    split, shapes = views[0][0], [shape for _, _, shape in views]
+    if any(len(shape) != 3 or shape[0] != -1 or not all(isinstance(n, int) for n in shape) for shape in shapes):
         return None
-    (_, heads, dim), (_, kv_heads, kv_dim), (_, v_heads, v_dim) = shapes
-    if not all(isinstance(x, int) for x in (heads, dim, kv_heads, kv_dim, v_heads, v_dim)):
-        return None
-    if (kv_heads, kv_dim, v_dim) != (v_heads, dim, dim) or list(split.args[1]) != [heads * dim, kv_heads * dim,
-                                                                                    kv_heads * dim]:
+    (_, heads, dim), (_, kv_heads, k_dim), (_, v_heads, v_dim) = shapes
+    sizes = split.args[1]
+    if (v_heads, k_dim, v_dim) != (kv_heads, dim, dim) or not isinstance(sizes, (list, tuple)) \
+            or list(sizes) != [heads * dim, kv_heads * dim, kv_heads * dim]:
         return None
     return split.args[0], kv_heads
 
 
 def _shape_only(user: fx.Node) -> bool:
-    target = user.target if user.op == "call_function" else user.target if user.op == "call_method" else None
-    return target in _SHAPE_ONLY
+    return user.op in ("call_function", "call_method") and user.target in _SHAPE_ONLY
 
 
 class RotaryAttentionFusion:
