@@ -29,7 +29,7 @@ mkdir -p "$OUT"
 LOG="$OUT/gpu_check.log"
 : > "$LOG"
 started=$SECONDS
-if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1 && ! python3 -c "import msgspec, zmq, fastapi, uvicorn, setproctitle" 2>/dev/null; then
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1 && ! python3 -c "import msgspec, zmq, fastapi, uvicorn, setproctitle, uvloop, httptools" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
 fi

@@ -100,11 +100,11 @@ def free_port() -> int:
     return get_open_port()
 
 
-def our_server(model: str, args: argparse.Namespace, dtype: str) -> Server:
+def our_server(model: str, args: argparse.Namespace, dtype: str, extra: tuple[str, ...] = ()) -> Server:
     port = free_port()
     cmd = [sys.executable, "-m", "compiled_llm.entrypoints.cli", "serve", model, "--port", str(port),
            "--served-model-name", "bench", "--max-model-len", "2048", "--no-enable-prefix-caching",
-           "--dtype", dtype, "--num-threads", str(args.threads)]
+           "--dtype", dtype, "--num-threads", str(args.threads), *extra]
     if args.optimization_level is not None:
         cmd += ["-O", str(args.optimization_level)]
     if args.compile_cache:

@@ -19,6 +19,13 @@ class Subcommand:
     run: Callable[[argparse.Namespace], int]
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     # Defined here, not in api_server: building the parser must not import the server stack.
     from compiled_llm.engine.arg_utils import EngineArgs
@@ -41,6 +48,10 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tool-call-parser", choices=["hermes", "xlam"], default=None,
                    help="The format the model writes tool calls in: hermes (<tool_call>{...}</tool_call>; Hermes, "
                         "Qwen) or xlam (a JSON array of calls; SmolLM2, xLAM).")
+    g.add_argument("--stream-interval", type=_positive_int, default=1, metavar="N",
+                   help="Stream tokens in events of N (the first and last event excepted): one socket write and "
+                        "wake-up per N tokens instead of per token, for many streams at a high token rate, at "
+                        "the cost of coarser inter-token latency (default: 1).")
     g.add_argument("--engine-timeout", type=float, default=120.0,
                    help="Seconds without any engine output, while requests are open, after which the engine "
                         "counts as hung and the server exits (default: 120).")

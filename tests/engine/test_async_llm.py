@@ -174,6 +174,29 @@ def test_slow_reader_gets_merged_outputs(loop, engine):
     run(loop, main())
 
 
+def test_stream_interval_sends_tokens_in_groups(loop, engine):
+    """With a stream interval of 4, a delta stream gets its first token at once, then events of at
+    least 4 tokens, then the rest with the last event; the tokens and text are unchanged, and a
+    request that ends before 4 more tokens still ends (its last event is never held back)."""
+    async def main() -> None:
+        (final,) = await outputs(engine, "Grouped", params(FINAL, 30), "grouped-final")
+        (short,) = await outputs(engine, "Grouped", params(FINAL, 3), "short-final")
+        engine.stream_interval = 4
+        try:
+            got = await outputs(engine, "Grouped", params(DELTA, 30), "grouped")
+            brief = await outputs(engine, "Grouped", params(DELTA, 3), "short")
+        finally:
+            engine.stream_interval = 1
+        sizes = [len(o.outputs[0].token_ids) for o in got]
+        assert sizes[0] == 1 and all(n >= 4 for n in sizes[1:-1]) and got[-1].finished
+        assert len(got) <= 1 + 29 // 4 + 1
+        assert "".join(o.outputs[0].text for o in got) == final.outputs[0].text
+        assert [t for o in got for t in o.outputs[0].token_ids] == final.outputs[0].token_ids
+        assert [t for o in brief for t in o.outputs[0].token_ids] == short.outputs[0].token_ids and brief[-1].finished
+
+    run(loop, main())
+
+
 def test_many_concurrent_requests(loop, engine):
     async def main() -> None:
         async def one(i: int) -> int:
