@@ -245,7 +245,7 @@ def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
     The server's own process spends most of its time per streamed token in the event loop and the
     HTTP layer: every token of every stream is an event written to a socket and a wake-up.
     `benchmarks/frontend_per_token.py --serve` (32 streams, 64-token outputs, this project's CPU
-    machine): 154 us of the process's CPU a token with asyncio's loop and h11, 129 us with uvloop
+    machine): 154 us of the process's CPU a token with asyncio's loop and h11, 129-137 us with uvloop
     and httptools (which uvicorn picks when installed), as vLLM serves.
     """
     try:
