@@ -92,6 +92,9 @@ class _Worker:
             await asyncio.wait_for(future, timeout)
         finally:
             loop.remove_reader(fd)
+            # uvloop leaves a watched fd non-blocking: a large message would then be cut short
+            # (BlockingIOError) on this pipe's next send or receive, which expect a blocking fd.
+            os.set_blocking(fd, True)
         return self.conn.recv()
 
     def kill(self) -> None:
