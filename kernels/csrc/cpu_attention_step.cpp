@@ -116,9 +116,6 @@ TORCH_LIBRARY_FRAGMENT(compiled_llm_cpu, m) {
       "attention_step(Tensor query, Tensor key, Tensor value, Tensor(a!) output, Tensor(b!) kv_cache, "
       "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, int num_reqs, "
       "int num_decodes, int num_actual_tokens, float scale, Tensor? positions=None, Tensor? cos_sin_cache=None) -> ()");
-}
-
-TORCH_LIBRARY_FRAGMENT(compiled_llm_cpu, m) {
   m.def(
       "attention_step_qkv(Tensor qkv, Tensor(a!) output, Tensor(b!) kv_cache, Tensor slot_mapping, "
       "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, int num_reqs, int num_decodes, "
