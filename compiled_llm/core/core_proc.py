@@ -5,7 +5,9 @@ The process runs a busy loop on its main thread: drain the input queue (add, abo
 calls, shutdown), step the engine while there is work, and block on the queue when there is none.
 Socket I/O lives on two daemon threads: one receives and decodes msgpack frames into the input
 queue, the other encodes and sends what the loop puts on the output queue. Messages are msgspec
-structs, never pickles: a peer can send data, not code.
+structs, never pickles: a peer can send data, not code. Several API server processes may feed one
+engine (`serve --api-server-count`): each has its own output socket, and `OutputRouter` says which
+outputs go to which.
 
 Start-up: the client hands the process one end of a pipe. The process answers on it once, with a
 `Handshake` (ready, or the start-up error in words), and then watches it: when the client's end
@@ -28,6 +30,7 @@ import zmq
 
 from compiled_llm.config import EngineConfig
 from compiled_llm.core.engine_core import EngineCore
+from compiled_llm.core.output_router import OutputRouter
 from compiled_llm.logger import init_logger
 from compiled_llm.messages.engine_core import (
     EngineCoreOutput,
@@ -73,37 +76,51 @@ def run_utility(engine: EngineCore, request: UtilityRequest) -> tuple[int, Any, 
 
 class _Refused(msgspec.Struct):
     """A message the input thread could not decode, but whose sender waits for an answer:
-    a request (its id) or a utility call (its call id)."""
+    a request (its id) or a utility call (its call id), and the API server process it came from."""
 
     kind: RequestType
     id: str | int
     error: str
+    client: int = 0
 
 
-def _salvage_id(kind: RequestType, frame: bytes) -> str | int | None:
-    """The request id (or utility call id) of an undecodable ADD (or UTILITY) message, if any:
-    its sender is told why instead of waiting for ever."""
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _salvage_id(kind: RequestType, frame: bytes) -> tuple[str | int, int] | None:
+    """The request id (or utility call id) of an undecodable ADD (or UTILITY) message and its
+    sender's client index, if any: its sender is told why instead of waiting for ever."""
     try:
         raw = msgspec.msgpack.decode(frame)
     except msgspec.DecodeError:
         return None
     if not isinstance(raw, list) or not raw:
         return None
+    # The client index's place in the array-like struct (absent when it is 0).
+    slot = {RequestType.ADD: 5, RequestType.UTILITY: 3}.get(kind)
+    client = raw[slot] if slot is not None and len(raw) > slot and _is_int(raw[slot]) else 0
     if kind == RequestType.ADD and isinstance(raw[0], str):
-        return raw[0]
-    if kind == RequestType.UTILITY and isinstance(raw[0], int) and not isinstance(raw[0], bool):
-        return raw[0]
+        return raw[0], client
+    if kind == RequestType.UTILITY and _is_int(raw[0]):
+        return raw[0], client
     return None
 
 
 class EngineCoreProc:
-    """The busy loop around an `EngineCore`, with its two socket threads."""
+    """The busy loop around an `EngineCore`, with its two socket threads. `output_address`: one
+    client's output socket, or a list of them, one per API server process (`client_index`)."""
 
-    def __init__(self, engine: EngineCore, input_address: str, output_address: str, engine_index: int = 0) -> None:
+    def __init__(
+        self, engine: EngineCore, input_address: str, output_address: str | list[str], engine_index: int = 0
+    ) -> None:
         self.engine = engine
         self.engine_index = engine_index  # stamped on every output (data parallelism)
+        output_addresses = [output_address] if isinstance(output_address, str) else list(output_address)
+        self.router = OutputRouter(len(output_addresses))
         self.input_queue: queue.Queue[tuple[RequestType, Any]] = queue.Queue()
-        self.output_queue: queue.Queue[EngineCoreOutputs | None] = queue.Queue()
+        # (client index, message); None stops the output thread.
+        self.output_queue: queue.Queue[tuple[int, EngineCoreOutputs] | None] = queue.Queue()
         self._stop_input = threading.Event()
         self._shutdown_requested = False
         self._stats_stale = False
@@ -112,7 +129,7 @@ class EngineCoreProc:
             target=self._receive_inputs, args=(ctx, input_address), name="EngineCoreInput", daemon=True
         )
         self.output_thread = threading.Thread(
-            target=self._send_outputs, args=(ctx, output_address), name="EngineCoreOutput", daemon=True
+            target=self._send_outputs, args=(ctx, output_addresses), name="EngineCoreOutput", daemon=True
         )
         self.input_thread.start()
         self.output_thread.start()
@@ -125,7 +142,7 @@ class EngineCoreProc:
                 if self._stats_stale:
                     # Idle after aborts: publish the stats once so gauges fall back to zero.
                     self._stats_stale = False
-                    self.output_queue.put(engine.step())
+                    self._publish(engine.step())
                 self._handle(*self.input_queue.get())
             while True:
                 try:
@@ -136,37 +153,46 @@ class EngineCoreProc:
                 break
             if engine.has_unfinished_requests():
                 self._stats_stale = False
-                self.output_queue.put(engine.step())
+                self._publish(engine.step())
+
+    def _publish(self, outputs: EngineCoreOutputs) -> None:
+        for item in self.router.route(outputs, time.monotonic()):
+            self.output_queue.put(item)
 
     def _handle(self, kind: RequestType, data: Any) -> None:
         if isinstance(data, _Refused):
-            self._refuse(data.kind, data.id, data.error)
+            self._refuse(data.kind, data.id, data.error, data.client)
             return
         if kind == RequestType.ADD:
             try:
                 self.engine.add_request(data)
             except ValueError as e:  # the frontend checks first; the engine never dies of a request
-                self._refuse(kind, data.request_id, str(e))
+                self._refuse(kind, data.request_id, str(e), data.client_index)
                 return
+            self.router.added(data.request_id, data.client_index)
         elif kind == RequestType.ABORT:
             self.engine.abort_requests(data)
+            self.router.aborted(data)
         elif kind == RequestType.UTILITY:
-            self.output_queue.put(EngineCoreOutputs(utility_output=run_utility(self.engine, data)))
+            client = self.router.check_client(data.client_index)
+            self.output_queue.put((client, EngineCoreOutputs(utility_output=run_utility(self.engine, data))))
             return
         elif kind == RequestType.SHUTDOWN:
             self._shutdown_requested = True
         self._stats_stale = True
 
-    def _refuse(self, kind: RequestType, id: str | int, error: str) -> None:
+    def _refuse(self, kind: RequestType, id: str | int, error: str, client: int = 0) -> None:
         logger.error("Refused %s %r: %s", "request" if kind == RequestType.ADD else "utility call", id, error)
+        client = self.router.check_client(client)
         if kind == RequestType.ADD:
             output = EngineCoreOutput(str(id), [], finish_reason="error", stop_reason=error)
-            self.output_queue.put(EngineCoreOutputs([output], timestamp=time.time()))
+            self.output_queue.put((client, EngineCoreOutputs([output], timestamp=time.time())))
         else:
-            self.output_queue.put(EngineCoreOutputs(utility_output=(int(id), None, error)))
+            self.output_queue.put((client, EngineCoreOutputs(utility_output=(int(id), None, error))))
 
     def report_dead(self) -> None:
-        self.output_queue.put(EngineCoreOutputs(engine_dead=True, timestamp=time.time()))
+        for item in self.router.to_all(EngineCoreOutputs(engine_dead=True, timestamp=time.time())):
+            self.output_queue.put(item)
 
     def shutdown(self) -> None:
         """Stop both threads; the output thread sends what is queued first (a few seconds at most)."""
@@ -202,24 +228,28 @@ class EngineCoreProc:
                     if found is None:
                         logger.error("Dropped a malformed %s message to the engine core: %s", kind.name, e)
                         continue
-                    data = _Refused(kind, found, f"Malformed {kind.name} message: {e}")
+                    data = _Refused(kind, found[0], f"Malformed {kind.name} message: {e}", found[1])
                 self.input_queue.put((kind, data))
         finally:
             sock.close(linger=0)
 
-    def _send_outputs(self, ctx: zmq.Context, address: str) -> None:
+    def _send_outputs(self, ctx: zmq.Context, addresses: list[str]) -> None:
         encoder = msgspec.msgpack.Encoder()
-        sock = ctx.socket(zmq.PUSH)
-        sock.connect(address)
+        sockets = []
         try:
+            for address in addresses:
+                sockets.append(ctx.socket(zmq.PUSH))
+                sockets[-1].connect(address)
             while True:
-                outputs = self.output_queue.get()
-                if outputs is None:
+                item = self.output_queue.get()
+                if item is None:
                     break
+                client, outputs = item
                 outputs.engine_index = self.engine_index
-                sock.send(encoder.encode(outputs), copy=False)
+                sockets[client].send(encoder.encode(outputs), copy=False)
         finally:
-            sock.close(linger=1000)
+            for sock in sockets:
+                sock.close(linger=1000)
 
 
 def _exit_on_signal(signum: int, frame: Any) -> None:
@@ -240,7 +270,7 @@ def _watch_parent(conn: Connection) -> None:
 
 
 def start_engine_core(
-    config: EngineConfig, input_address: str, output_address: str, engine_index: int = 0
+    config: EngineConfig, input_address: str, output_address: str | list[str], engine_index: int = 0
 ) -> tuple[EngineCoreProc | None, Handshake]:
     """Build the engine and its socket threads; the handshake says whether that worked (and why
     not). Shared by the local process below and the Ray actor (`core_actor.py`)."""
@@ -283,10 +313,11 @@ def serve_engine_core(proc: EngineCoreProc) -> int:
 
 
 def run_engine_core(
-    config: EngineConfig, input_address: str, output_address: str, conn: Connection, engine_index: int = 0
+    config: EngineConfig, input_address: str, output_address: str | list[str], conn: Connection,
+    engine_index: int = 0,
 ) -> None:
     """Entry point of the engine process (multiprocessing, spawn context); `engine_index`: its place
-    in a data-parallel group."""
+    in a data-parallel group; `output_address`: a list with several API server processes."""
     from setproctitle import setproctitle
 
     setproctitle(ENGINE_PROC_TITLE if config.parallel_config.data_parallel_size == 1

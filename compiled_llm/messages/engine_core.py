@@ -19,6 +19,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     sampling_params: SamplingParams
     arrival_time: float = 0.0
     priority: int = 0
+    # Which of several API server processes sent it (`serve --api-server-count`): its outputs go
+    # back to that one.
+    client_index: int = 0
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -73,3 +76,4 @@ class UtilityRequest(msgspec.Struct, array_like=True):
     call_id: int
     method: str
     args: list = []
+    client_index: int = 0  # the API server process that waits for the answer
