@@ -20,6 +20,7 @@ from compiled_llm.engine.arg_utils import EngineArgs
 from compiled_llm.engine.chat_templates import ChatTemplateRenderer
 from compiled_llm.engine.core_client import AsyncMPClient, EngineDeadError
 from compiled_llm.engine.dp_client import DPAsyncMPClient
+from compiled_llm.engine.engine_process import EngineHandle
 from compiled_llm.engine.metrics import EngineMetrics
 from compiled_llm.engine.output_processor import OutputProcessor
 from compiled_llm.engine.processor import Processor, PromptType
@@ -93,9 +94,14 @@ class RequestStream:
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, engine_timeout_s: float = 120.0, stream_interval: int = 1) -> None:
+    def __init__(
+        self, config: EngineConfig, engine_timeout_s: float = 120.0, stream_interval: int = 1,
+        engine: EngineHandle | None = None, client_index: int = 0,
+    ) -> None:
         """`stream_interval`: streamed (delta) requests get their tokens in events of this many
-        (the first and the last event excepted): fewer writes and wake-ups per token, coarser ITL."""
+        (the first and the last event excepted): fewer writes and wake-ups per token, coarser ITL.
+        `engine`, `client_index`: an engine core that another process started, shared by several
+        API server processes, and this one's place among them (default: start our own engine)."""
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}.")
         self.stream_interval = stream_interval
@@ -112,7 +118,7 @@ class AsyncLLM:
         # One engine core process, or a data-parallel group of them behind this frontend.
         self.client: AsyncMPClient | DPAsyncMPClient = (
             DPAsyncMPClient(config, engine_timeout_s) if config.parallel_config.data_parallel_size > 1
-            else AsyncMPClient(config, engine_timeout_s)
+            else AsyncMPClient(config, engine_timeout_s, engine=engine, client_index=client_index)
         )
         # Started once the engine is up, so that they load while the server starts.
         self.chat_renderer = ChatTemplateRenderer(config.model_config.model)

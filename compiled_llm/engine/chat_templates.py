@@ -54,7 +54,10 @@ def _worker_main(model: str, conn: Connection) -> None:
             resource.setrlimit(resource.RLIMIT_AS, (used + _MEMORY_HEADROOM_BYTES, resource.RLIM_INFINITY))
         except (ValueError, OSError):
             pass
-    conn.send(("ready", None))
+    try:
+        conn.send(("ready", None))
+    except OSError:  # the server went away while this loaded
+        return
     while True:
         try:
             messages, kwargs = conn.recv()

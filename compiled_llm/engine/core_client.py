@@ -84,13 +84,16 @@ class AsyncMPClient:
         outputs: asyncio.Queue | None = None,
         wait_ready: bool = True,
         engine: EngineHandle | None = None,
+        client_index: int = 0,
     ) -> None:
         """`engine_index`, `outputs`: this engine's place in a data-parallel group, and the queue
         the group's outputs share. `wait_ready=False`: return once the process started; call
         `wait_ready()` (several engines start at once that way). `engine`: how the engine runs
-        (default: a local process)."""
+        (default: a local process). `client_index`: this client's place among the API server
+        processes that share the engine (its outputs come back to this client's socket)."""
         self.engine_timeout_s = engine_timeout_s
         self.engine_index = engine_index
+        self.client_index = client_index
         # The one record of the engine's death (the frontend reads it from here).
         self.dead_error: EngineDeadError | None = None
         self._dead_listeners: list[asyncio.Future[EngineDeadError]] = []
@@ -134,6 +137,8 @@ class AsyncMPClient:
             self.shutdown()
             raise
         self._config.cache_config.num_blocks = handshake.num_blocks
+        if not self.engine.owns_engine:
+            return  # its owner started it and said so
         total = time.perf_counter() - self._started
         logger.info(
             "Engine core %d (pid %d) ready in %.1f s: process start and imports %.1f s, weights %.1f s, "
@@ -288,6 +293,7 @@ class AsyncMPClient:
         self._ensure_receiving()
         if not self._in_flight:
             self._last_heard = time.monotonic()
+        request.client_index = self.client_index
         self._send(RequestType.ADD, self._encoder.encode(request))
         self._in_flight.add(request.request_id)
 
@@ -305,7 +311,8 @@ class AsyncMPClient:
             self._last_heard = time.monotonic()
         self._utility_calls[call_id] = future
         try:
-            self._send(RequestType.UTILITY, self._encoder.encode(UtilityRequest(call_id, method, list(args))))
+            self._send(RequestType.UTILITY,
+                       self._encoder.encode(UtilityRequest(call_id, method, list(args), self.client_index)))
         except EngineDeadError:
             self._utility_calls.pop(call_id, None)
             raise
@@ -316,10 +323,11 @@ class AsyncMPClient:
 
     # ---- shutdown ---------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Stop the engine (SHUTDOWN, then SIGTERM or a kill) and join it."""
+        """Stop the engine (SHUTDOWN, then SIGTERM or a kill) and join it; only let go of an engine
+        that another process owns."""
         if self._closed:
             return
-        if self.engine.is_alive() and self.dead_error is None:
+        if self.engine.owns_engine and self.engine.is_alive() and self.dead_error is None:
             try:
                 self.input_socket.send_multipart([RequestType.SHUTDOWN.value, b""], flags=zmq.NOBLOCK)
                 self.engine.join(5)

@@ -2,7 +2,9 @@
 
 `AsyncMPClient` owns the sockets, the sender and the receiver; an `EngineHandle` owns only the
 engine's life. `EngineProcess` is a local process reached over `ipc://` (the default);
-`ray_engine.RayEngine` is a Ray actor, maybe on another node, reached over tcp.
+`ray_engine.RayEngine` is a Ray actor, maybe on another node, reached over tcp; `AttachedEngine`
+is a local engine that another process started and owns (one of several API server processes,
+`serve --api-server-count`).
 """
 
 from __future__ import annotations
@@ -10,7 +12,10 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.util
+import os
+import select
 import shutil
+import signal
 import tempfile
 from typing import Any, Protocol
 
@@ -33,11 +38,14 @@ class EngineHandle(Protocol):
     `output_bind_address`: where the client binds its output socket (a tcp port may be `*`);
     `start(output_address)` gets the bound address; `input_address` is valid after `start`.
     `sentinel`: a file descriptor that turns readable once the engine is gone, for the poller.
+    `owns_engine`: the client's shutdown stops the engine (not so for an engine shared by several
+    clients: its owner stops it).
     """
 
     input_address: str
     output_bind_address: str
     sentinel: int
+    owns_engine: bool
 
     @property
     def pid(self) -> int | None: ...
@@ -75,6 +83,8 @@ class EngineProcess:
     folder. Start-up handshake over a pipe, whose end of file also tells the engine that its
     client is gone; death is the process's sentinel."""
 
+    owns_engine = True
+
     def __init__(self, config: EngineConfig, engine_index: int = 0) -> None:
         self._config = config
         self._engine_index = engine_index
@@ -83,7 +93,8 @@ class EngineProcess:
         self.output_bind_address = f"ipc://{self._folder}/output"
         self.proc: multiprocessing.process.BaseProcess | None = None
 
-    def start(self, output_address: str) -> None:
+    def start(self, output_address: str | list[str]) -> None:
+        """`output_address`: the client's output socket, or one per client (several API servers)."""
         mp = multiprocessing.get_context("spawn")
         self._conn, child_conn = mp.Pipe()
         self.proc = mp.Process(
@@ -141,3 +152,57 @@ class EngineProcess:
             shutil.rmtree(self._folder, ignore_errors=True)
         else:
             self._finalizer()
+
+
+class AttachedEngine:
+    """An engine core that another local process started and owns (the `serve` supervisor, for
+    several API server processes): this client only connects to it, with the handshake its owner
+    received. Its death is seen through a pidfd, which turns readable when the process exits, even
+    for a process that is not this one's child (Linux 5.3 and later)."""
+
+    owns_engine = False
+
+    def __init__(self, pid: int, input_address: str, output_bind_address: str, handshake: Handshake) -> None:
+        self.input_address = input_address
+        self.output_bind_address = output_bind_address
+        self._pid = pid
+        self._handshake = handshake
+        try:
+            self.sentinel = os.pidfd_open(pid)
+        except ProcessLookupError as e:
+            raise EngineStartupError(f"The engine core process (pid {pid}) is gone.") from e
+        self._closed = False
+
+    @property
+    def pid(self) -> int | None:
+        return self._pid
+
+    def start(self, output_address: str) -> None:
+        if output_address != self.output_bind_address:
+            raise ValueError(f"The engine was started to send to {self.output_bind_address}, not {output_address}.")
+
+    def wait_ready(self) -> Handshake:
+        return self._handshake
+
+    def is_alive(self) -> bool:
+        return not self._closed and not select.select([self.sentinel], [], [], 0)[0]
+
+    def join(self, timeout: float) -> None:
+        if not self._closed:
+            select.select([self.sentinel], [], [], timeout)
+
+    def describe_exit(self) -> str:
+        return f"The engine core process (pid {self._pid}) exited unexpectedly; see its log."
+
+    def kill(self) -> None:
+        """A hung engine hangs every API server: kill it (the owner then stops the rest)."""
+        try:
+            signal.pidfd_send_signal(self.sentinel, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def stop(self) -> None:
+        """Only let go of it: its owner stops it."""
+        if not self._closed:
+            self._closed = True
+            os.close(self.sentinel)

@@ -5,6 +5,11 @@ KV-cache usage, prefix-cache lookups, the step's token count) and the `OutputPro
 `on_output` hook (tokens and per-request latencies, measured where the user sees them). Each
 instance has its own `CollectorRegistry`, so several servers (or tests) can live in one process.
 
+With several API server processes (`serve --api-server-count`), each records its own requests
+into prometheus_client's multiprocess files and /metrics adds them all up (`exposition`); the
+engine's scheduler stats reach process 0 alone (`OutputRouter`), so its gauges and counters are
+counted once.
+
 Every series carries vLLM's two labels, `model_name` and `engine` (the engine's index in a
 data-parallel group, "0" with one engine): a group's totals are the sums over `engine`.
 
@@ -15,9 +20,10 @@ to last token); inference is prefill and decode together.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 
 from compiled_llm.engine.output_processor import RequestState
 from compiled_llm.messages.engine_core import EngineCoreOutput, SchedulerStats
@@ -69,7 +75,9 @@ class EngineMetrics:
         self.engine = 0  # the engine whose outputs are being recorded (set by the output handler)
 
         def gauge(name: str, doc: str) -> PerEngine:
-            return PerEngine(Gauge(PREFIX + name, doc, labels, registry=reg), model_name)
+            # With several API server processes only process 0 sets them: its latest value is the one.
+            return PerEngine(Gauge(PREFIX + name, doc, labels, registry=reg, multiprocess_mode="mostrecent"),
+                             model_name)
 
         def counter(name: str, doc: str) -> PerEngine:
             return PerEngine(Counter(PREFIX + name, doc, labels, registry=reg), model_name)
@@ -209,3 +217,12 @@ class EngineMetrics:
         del self._parents[state.external_id]
         self.request_params_n[self.engine].observe(n)
         self.request_max_num_generation_tokens[self.engine].observe(max(counts))
+
+
+def exposition(registry: CollectorRegistry) -> bytes:
+    """What /metrics answers: this process's series, or, when several API server processes share
+    the work (`PROMETHEUS_MULTIPROC_DIR`, set by `serve --api-server-count`), theirs added up."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+    return generate_latest(registry)

@@ -39,6 +39,8 @@ class RayEngine:
     `sentinel` the client's poller watches, so a dead actor reaches the same `mark_dead` path as a
     dead process."""
 
+    owns_engine = True
+
     def __init__(self, ray: Any, actor: Any, config: EngineConfig, engine_index: int, where: tuple[str, str, int],
                  frontend_ip: str) -> None:
         self._ray = ray

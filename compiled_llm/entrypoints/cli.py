@@ -52,6 +52,10 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="Stream tokens in events of N (the first and last event excepted): one socket write and "
                         "wake-up per N tokens instead of per token, for many streams at a high token rate, at "
                         "the cost of coarser inter-token latency (default: 1).")
+    g.add_argument("--api-server-count", type=_positive_int, default=1, metavar="N",
+                   help="API server processes in front of the one engine core, sharing the port (each new "
+                        "connection goes to one of them): one process streams on the order of 10k tokens/s, "
+                        "a GPU can decode more at a large batch (default: 1).")
     g.add_argument("--engine-timeout", type=float, default=120.0,
                    help="Seconds without any engine output, while requests are open, after which the engine "
                         "counts as hung and the server exits (default: 120).")

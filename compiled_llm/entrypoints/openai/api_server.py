@@ -13,13 +13,14 @@ import argparse
 import asyncio
 import secrets
 import signal
+import socket
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Callable
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -27,6 +28,7 @@ from compiled_llm import __version__
 from compiled_llm.engine.arg_utils import EngineArgs
 from compiled_llm.engine.async_llm import AsyncLLM
 from compiled_llm.engine.core_client import EngineStartupError
+from compiled_llm.engine.metrics import exposition
 from compiled_llm.entrypoints.openai.errors import (
     RequestTooLarge,
     engine_dead_message,
@@ -162,7 +164,7 @@ def build_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(exposition(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     card = ModelCard(id=name, root=engine.model_config.model, max_model_len=engine.model_config.max_model_len)
 
@@ -216,8 +218,10 @@ async def _announce_when_ready(server: uvicorn.Server, engine: AsyncLLM, url: st
 
 async def serve_http(
     engine: AsyncLLM, host: str, port: int, api_key: str | None, options: ServingOptions | None = None,
-    max_request_body_bytes: int | None = None,
+    max_request_body_bytes: int | None = None, sock: socket.socket | None = None,
 ) -> None:
+    """Serve until told to exit; on `sock` (bound already, maybe shared with other API server
+    processes) instead of binding `host:port`."""
     loop = asyncio.get_running_loop()
     server: _Server | None = None
 
@@ -230,7 +234,7 @@ async def serve_http(
     server = _Server(config, engine, loop)
     announce = asyncio.create_task(_announce_when_ready(server, engine, f"http://{host}:{port}"))
     try:
-        await server.serve()
+        await server.serve(sockets=[sock] if sock is not None else None)
     finally:
         announce.cancel()
 
@@ -255,25 +259,43 @@ def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
     return uvloop.new_event_loop
 
 
-def run_server(args: argparse.Namespace) -> int:
-    """`compiled-llm serve`: 0 after a clean shutdown, 1 when the engine failed to start or died."""
-    # Until uvicorn installs its own handlers, SIGTERM unwinds like Ctrl-C, so the engine is joined.
-    signal.signal(signal.SIGTERM, _interrupt)
+def check_server_args(args: argparse.Namespace) -> bool:
+    """The server flags' own consistency (the engine's are checked when its config is built)."""
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         logger.error("--enable-auto-tool-choice needs --tool-call-parser (one of %s).", ", ".join(TOOL_PARSERS))
+        return False
+    return True
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """`compiled-llm serve`: 0 after a clean shutdown, 1 when the engine failed to start or died."""
+    if getattr(args, "api_server_count", 1) > 1:
+        from compiled_llm.entrypoints.openai.api_server_group import run_api_server_group
+
+        return run_api_server_group(args)
+    # Until uvicorn installs its own handlers, SIGTERM unwinds like Ctrl-C, so the engine is joined.
+    signal.signal(signal.SIGTERM, _interrupt)
+    if not check_server_args(args):
         return 1
     try:
         engine = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args), args.engine_timeout, args.stream_interval)
     except (EngineStartupError, ValueError, OSError) as e:  # a bad model folder or setting, said plainly
         logger.error("%s", e)
         return 1
+    return serve_engine(engine, args)
+
+
+def serve_engine(engine: AsyncLLM, args: argparse.Namespace, sock: socket.socket | None = None) -> int:
+    """Serve HTTP in front of a started engine until a signal or the engine's death; 0 after a
+    clean shutdown, 1 when the engine died."""
     try:
         options = ServingOptions(
             max_n=args.max_n, trust_request_chat_template=args.trust_request_chat_template,
             enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
         )
         with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
-            runner.run(serve_http(engine, args.host, args.port, args.api_key, options, args.max_request_body_bytes))
+            runner.run(serve_http(engine, args.host, args.port, args.api_key, options, args.max_request_body_bytes,
+                                  sock))
     except KeyboardInterrupt:
         pass  # the signal uvicorn re-raises after its graceful shutdown
     finally:

@@ -1,0 +1,236 @@
+"""`compiled-llm serve --api-server-count N`: N API server processes in front of one engine core.
+
+One Python process streams on the order of 10k tokens/s: every token of every stream is an event
+written to its socket and a wake-up of the event loop (`benchmarks/frontend_per_token.py`), while
+a GPU decodes more than that at a large batch. As vLLM's `--api-server-count`, this process (the
+supervisor) claims the HTTP port, starts the engine core, then N API servers that listen on that
+port together (SO_REUSEPORT: the kernel spreads new connections over them by a hash of the
+client's address, where one socket shared by all would hand a burst of connections to whichever
+process woke first) and reach the engine over ZeroMQ, one output socket each
+(`core/output_router.py` sends each request's outputs to the process that sent it). /metrics adds
+up every process's series (prometheus_client's multiprocess mode).
+
+The supervisor serves nothing itself: it waits on its children. SIGTERM or Ctrl-C: the API servers
+end their open requests and exit, then the engine. An API server that exits on its own (the
+engine died, or the server failed) brings the rest down, and the command exits with status 1, as
+one server does when its engine dies, so that whatever supervises `serve` restarts it whole.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+from compiled_llm.config import EngineConfig
+from compiled_llm.core.core_proc import Handshake
+from compiled_llm.engine.arg_utils import EngineArgs
+from compiled_llm.engine.engine_process import AttachedEngine, EngineProcess, EngineStartupError
+from compiled_llm.logger import init_logger
+
+logger = init_logger(__name__)
+
+API_SERVER_PROC_TITLE = "compiled_llm::APIServer"
+_STOP_TIMEOUT_S = 10.0  # the API servers' graceful shutdown (uvicorn's is 5 s) and some room
+
+
+def _watch_supervisor(conn: multiprocessing.connection.Connection) -> None:
+    """Block on the pipe from the supervisor; its end of file means the supervisor is gone: exit."""
+    try:
+        while True:
+            conn.recv_bytes()
+    except (EOFError, OSError):
+        pass
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def bind_port(host: str, port: int) -> socket.socket:
+    """A socket bound to `host:port` with SO_REUSEPORT: the supervisor's (never listening) claims
+    the port, and each API server's listens on it."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(address)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def run_api_server_process(
+    args: argparse.Namespace, config: EngineConfig, index: int, input_address: str, output_address: str,
+    engine_pid: int, handshake: Handshake, conn: multiprocessing.connection.Connection,
+) -> None:
+    """Entry point of API server `index` (multiprocessing, spawn context); `args.port`: the port
+    the supervisor claimed."""
+    from setproctitle import setproctitle
+
+    from compiled_llm.engine.async_llm import AsyncLLM
+    from compiled_llm.entrypoints.openai.api_server import _interrupt, serve_engine
+
+    setproctitle(f"{API_SERVER_PROC_TITLE}_{index}")
+    signal.signal(signal.SIGTERM, _interrupt)  # until uvicorn installs its handlers
+    threading.Thread(target=_watch_supervisor, args=(conn,), name="SupervisorWatch", daemon=True).start()
+    try:
+        engine = AsyncLLM(config, args.engine_timeout, args.stream_interval,
+                          engine=AttachedEngine(engine_pid, input_address, output_address, handshake),
+                          client_index=index)
+    except (EngineStartupError, ValueError, OSError) as e:
+        logger.error("API server %d could not start: %s", index, e)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(0)
+    try:
+        sock = bind_port(args.host, args.port)
+    except OSError as e:
+        logger.error("API server %d could not bind %s:%d: %s", index, args.host, args.port, e)
+        engine.shutdown()
+        sys.exit(1)
+    sys.exit(serve_engine(engine, args, sock))
+
+
+class _Supervisor:
+    """The engine process and the API server processes, started and stopped together."""
+
+    def __init__(self, args: argparse.Namespace, config: EngineConfig, folder: str) -> None:
+        self.args = args
+        self.config = config
+        self.folder = folder
+        self.count = args.api_server_count
+        self.engine = EngineProcess(config)
+        self.servers: list[multiprocessing.process.BaseProcess] = []
+        self._pipes: list[Any] = []
+        self.stop_requested = False
+        self.engine_died = False
+
+    def start(self) -> None:
+        """The engine first (its handshake says how big the KV cache came out), then the servers."""
+        outputs = [f"ipc://{self.folder}/output{i}" for i in range(self.count)]
+        self.engine.start(outputs)
+        handshake = self.engine.wait_ready()
+        self.config.cache_config.num_blocks = handshake.num_blocks
+        logger.info("Engine core (pid %d) ready; starting %d API server processes.", self.engine.pid, self.count)
+        mp = multiprocessing.get_context("spawn")
+        for i in range(self.count):
+            parent_end, child_end = mp.Pipe()
+            server = mp.Process(
+                target=run_api_server_process, name=f"APIServer_{i}",
+                args=(self.args, self.config, i, self.engine.input_address, outputs[i], self.engine.pid, handshake,
+                      child_end),
+            )
+            server.start()
+            child_end.close()
+            self.servers.append(server)
+            self._pipes.append(parent_end)
+
+    def wait(self) -> int:
+        """Until a signal, or a child's exit; 0 when told to stop and all went well, else 1."""
+        assert self.engine.proc is not None
+        engine_sentinel = self.engine.proc.sentinel
+        sentinels = {server.sentinel: server for server in self.servers}
+        while not self.stop_requested:
+            ready = multiprocessing.connection.wait([engine_sentinel, *sentinels], timeout=0.5)
+            if self.stop_requested:  # Ctrl-C reaches the children too: their exits are expected now
+                break
+            if engine_sentinel in ready:
+                logger.error("The engine core exited (exit code %s); the API servers fail their open requests "
+                             "and exit.", self.engine.proc.exitcode)
+                self.engine_died = True
+                return 1
+            for sentinel in ready:
+                server = sentinels[sentinel]
+                server.join()
+                logger.error("%s exited (exit code %s); stopping the others and the engine.", server.name,
+                             server.exitcode)
+                return 1
+        return 0
+
+    def stop(self) -> bool:
+        """Servers first (they end their streams), then the engine; whether every server exited cleanly."""
+        clean = True
+        deadline = time.monotonic() + _STOP_TIMEOUT_S
+        if self.engine_died:  # they notice it, end each open stream with the error and exit: let them
+            for server in self.servers:
+                server.join(max(deadline - time.monotonic(), 0))
+        for server in self.servers:
+            if server.is_alive():
+                server.terminate()
+        for server in self.servers:
+            server.join(max(deadline - time.monotonic(), 0))
+            if server.is_alive():
+                logger.warning("%s did not exit within %.0f s; killing it.", server.name, _STOP_TIMEOUT_S)
+                server.kill()
+                server.join(5)
+                clean = False
+            elif server.exitcode not in (0, -signal.SIGTERM):
+                clean = False
+        for pipe in self._pipes:
+            pipe.close()
+        self.engine.stop()
+        return clean
+
+
+def run_api_server_group(args: argparse.Namespace) -> int:
+    from compiled_llm.entrypoints.openai.api_server import check_server_args
+
+    if not check_server_args(args):
+        return 1
+    try:
+        config = EngineArgs.from_cli_args(args).create_engine_config()
+    except (ValueError, OSError) as e:
+        logger.error("%s", e)
+        return 1
+    if config.parallel_config.data_parallel_size > 1:
+        logger.error("--api-server-count > 1 serves one engine core; it does not combine with "
+                     "--data-parallel-size %d yet.", config.parallel_config.data_parallel_size)
+        return 1
+    try:
+        claim = bind_port(args.host, args.port)
+    except OSError as e:
+        logger.error("Could not bind %s:%d: %s", args.host, args.port, e)
+        return 1
+    args = argparse.Namespace(**{**vars(args), "port": claim.getsockname()[1]})  # --port 0: the one chosen
+    folder = tempfile.mkdtemp(prefix="compiled-llm-api-")
+    metrics_dir = os.path.join(folder, "metrics")
+    os.mkdir(metrics_dir)
+    previous_metrics_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # inherited by the API servers
+    supervisor = _Supervisor(args, config, folder)
+
+    def request_stop(signum: int, frame: Any) -> None:
+        supervisor.stop_requested = True
+
+    previous_handlers = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    status = 1
+    try:
+        supervisor.start()
+        status = supervisor.wait()
+    except EngineStartupError as e:
+        logger.error("%s", e)
+    finally:
+        for sig in previous_handlers:  # a second Ctrl-C must not interrupt the shutdown
+            signal.signal(sig, signal.SIG_IGN)
+        if not supervisor.stop() and status == 0:
+            status = 1
+        claim.close()
+        shutil.rmtree(folder, ignore_errors=True)
+        for sig, handler in previous_handlers.items():
+            signal.signal(sig, handler)
+        if previous_metrics_dir is None:
+            os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        else:
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = previous_metrics_dir
+    logger.info("Stopped (exit status %d).", status)
+    return status

@@ -1,0 +1,139 @@
+"""`compiled-llm serve --api-server-count 2`: two API server processes listen on one port in front
+of one engine core. Concurrent streams spread over both and each gets all its tokens, /metrics adds
+up both processes whichever answers, SIGTERM stops everything cleanly, and the engine's death (or
+an API server's) fails open streams with an error and ends the whole group with status 1."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import subprocess
+import time
+
+import httpx
+import psutil
+import pytest
+from remote_server import RemoteServer
+
+from compiled_llm.core.core_proc import ENGINE_PROC_TITLE
+from compiled_llm.entrypoints.openai.api_server_group import API_SERVER_PROC_TITLE
+
+openai = pytest.importorskip("openai")
+
+FLAGS = ["-O0", "--max-model-len", "512", "--kv-cache-memory-bytes", str(64 << 20), "--max-num-seqs", "16",
+         "--api-server-count", "2", "--served-model-name", "tiny"]
+TIMEOUT = 60
+
+
+def processes(server: RemoteServer, title: str) -> list[psutil.Process]:
+    return [p for p in psutil.Process(server.proc.pid).children(recursive=True) if title in " ".join(p.cmdline())]
+
+
+def wait_all_listening(server: RemoteServer, api_servers: list[psutil.Process]) -> None:
+    """/health answered from the first process up; the other may still be loading."""
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        if all(any(c.status == psutil.CONN_LISTEN and c.laddr.port == server.port for c in p.net_connections())
+               for p in api_servers):
+            return
+        time.sleep(0.2)
+    raise TimeoutError(server.read_log())
+
+
+def metric(server: RemoteServer, name: str) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    return sum(float(v) for v in re.findall(rf"^compiled_llm:{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.MULTILINE))
+
+
+async def stream_tokens(c: openai.AsyncOpenAI, i: int, max_tokens: int) -> int:
+    """The tokens the stream's closing usage chunk counts."""
+    stream = await c.completions.create(model="tiny", prompt=f"Stream {i} of many says", max_tokens=max_tokens,
+                                        stream=True, temperature=0.5, seed=i, stream_options={"include_usage": True},
+                                        extra_body={"ignore_eos": True})
+    usage = [chunk.usage async for chunk in stream if chunk.usage is not None]
+    return usage[-1].completion_tokens if usage else 0
+
+
+def test_two_api_servers_share_the_port_and_the_engine(tiny_llama):
+    server = RemoteServer([tiny_llama, *FLAGS])
+    try:
+        api_servers = processes(server, API_SERVER_PROC_TITLE)
+        assert len(api_servers) == 2 and len(processes(server, ENGINE_PROC_TITLE)) == 1
+        wait_all_listening(server, api_servers)
+
+        async def main() -> tuple[list[int], list[int]]:
+            # Each stream on its own connection; the connections stay open (keep-alive) afterwards.
+            c = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=TIMEOUT,
+                                   http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=32)))
+            counts = await asyncio.gather(*(stream_tokens(c, i, 12) for i in range(16)))
+            connections = [sum(c.status == psutil.CONN_ESTABLISHED and c.laddr.port == server.port
+                               for c in p.net_connections()) for p in api_servers]
+            await c.close()
+            return counts, connections
+
+        counts, connections = asyncio.run(main())
+        assert counts == [12] * 16
+        # SO_REUSEPORT spreads the 16 connections by a hash: both processes take some.
+        assert sum(connections) == 16 and min(connections) > 0, connections
+        # Whichever process answers /metrics, it counts both processes' requests, and the
+        # engine's own counters once.
+        for _ in range(4):
+            assert metric(server, "generation_tokens_total") == 16 * 12
+            assert metric(server, "request_success_total") == 16
+            assert metric(server, "iteration_tokens_total_sum") >= 16 * 12  # prompts and generated tokens
+        # A plain request and the models list, through any process.
+        c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=TIMEOUT)
+        assert [m.id for m in c.models.list().data] == ["tiny"]
+        assert c.completions.create(model="tiny", prompt="Hello", max_tokens=3,
+                                    extra_body={"ignore_eos": True}).usage.completion_tokens == 3
+
+        children = psutil.Process(server.proc.pid).children(recursive=True)
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=30) == 0, server.read_log()
+        gone, alive = psutil.wait_procs(children, timeout=15)
+        assert not alive, alive
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("victim", [ENGINE_PROC_TITLE, f"{API_SERVER_PROC_TITLE}_1"])
+def test_a_death_fails_open_streams_and_ends_the_group(tiny_llama, victim):
+    server = RemoteServer([tiny_llama, *FLAGS])
+    try:
+        children = psutil.Process(server.proc.pid).children(recursive=True)
+        wait_all_listening(server, processes(server, API_SERVER_PROC_TITLE))
+
+        async def main() -> list[str]:
+            c = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=TIMEOUT,
+                                   http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=32)))
+
+            async def one(i: int) -> str | int:
+                try:
+                    return await stream_tokens(c, i, 400)
+                except (openai.APIError, httpx.HTTPError) as e:
+                    return type(e).__name__ + ": " + str(e)
+
+            tasks = [asyncio.create_task(one(i)) for i in range(8)]
+            await asyncio.sleep(2.0)  # all streaming
+            processes(server, victim)[0].kill()
+            return await asyncio.gather(*tasks)
+
+        ends = asyncio.run(main())
+        if victim == ENGINE_PROC_TITLE:  # both API servers are alive to say why, in each stream
+            assert all(isinstance(end, str) and "exited unexpectedly" in end for end in ends), ends
+        else:  # cut with the dead process's connections, or aborted by the others' shutdown (finish
+            # reason "abort", as at SIGTERM): none runs to its end
+            assert all(isinstance(end, str) or end < 400 for end in ends), ends
+        assert server.wait(timeout=30) == 1, server.read_log()
+        gone, alive = psutil.wait_procs(children, timeout=15)
+        assert not alive, alive
+    finally:
+        server.stop()
+
+
+def test_refused_with_data_parallelism(tiny_llama):
+    out = subprocess.run(["compiled-llm", "serve", tiny_llama, *FLAGS, "--data-parallel-size", "2"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert "--api-server-count > 1 serves one engine core" in out.stdout + out.stderr
