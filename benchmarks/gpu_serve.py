@@ -8,7 +8,9 @@ the same requests go through the in-process engine (`LLMEngine`, as `LLM.generat
 this process after the server has stopped, same settings), at most `c` at a time as the `c`
 clients keep them, and `serve_over_offline` is the server's output tokens/s over that offline
 rate: what the HTTP server, the frontend process and the IPC cost. This runs with asynchronous
-scheduling (the GPU default) and again with `--no-async-scheduling` while `--budget-s` allows.
+scheduling (the GPU default), then at the highest concurrency with `--api-server-count N` (several
+API server processes, `--api-servers`; compared with the same offline rate), and again with
+`--no-async-scheduling`, while `--budget-s` allows.
 
 It also checks what a user relies on: every request gets all its tokens, /metrics answers, the
 server logs its CUDA graphs and KV sizing, and SIGTERM ends it cleanly. Prompts are words of the
@@ -53,24 +55,36 @@ def word_prompts(num: int, vocab_size: int, prompt_range: tuple[int, int], outpu
 
 
 def serve_levels(folder: str, cache: str, scheduling: str, prompts: list[tuple[str, int]], levels: list[int],
-                 results: ResultsFile, log_path: str | None) -> list[str]:
-    """Start the server, load it at each level, stop it; the failures a user would notice."""
+                 results: ResultsFile, log_path: str | None, api_servers: int = 1) -> list[str]:
+    """Start the server, load it at each level, stop it; the failures a user would notice. Results
+    go under "<scheduling>/c<c>", or "<scheduling>-api<N>/c<c>" with N API server processes."""
     failures: list[str] = []
     port = free_port()
     cmd = [sys.executable, "-m", "compiled_llm.entrypoints.cli", "serve", folder, "--load-format", "dummy",
            "--port", str(port), "--served-model-name", "bench", "--max-model-len", "2048",
            "--no-enable-prefix-caching", "--compile-cache", cache,
            "--async-scheduling" if scheduling == "async" else "--no-async-scheduling"]
+    if api_servers > 1:
+        cmd += ["--api-server-count", str(api_servers)]
+        scheduling = f"{scheduling}-api{api_servers}"
     server = Server("compiled-llm", cmd, port, "bench", {"ignore_eos": True})
     try:
         print(f"serve ({scheduling} scheduling) ready {server.wait_ready():.1f} s after its start", flush=True)
+        if api_servers > 1:  # /health answers once the first API server is up; let the others start too
+            asyncio.run(run_level(server, prompts[:api_servers * 4], api_servers * 4))
+            time.sleep(3)
         for c in levels:
             level = asyncio.run(run_level(server, prompts, c))
             short = [n for s, (_, n) in zip(level.samples, prompts) if s.output_tokens != n]
             if short:
                 failures.append(f"{scheduling} c={c}: {len(short)} requests got fewer tokens than asked")
             row = level.row()
-            results.record(f"{scheduling}/c{c}", {"serve": row})
+            offline = (results.results.get(f"{scheduling.split('-')[0]}/c{c}") or {}).get("offline")
+            if api_servers > 1 and offline:  # the same requests' offline rate, from the round before
+                ratio = row["output_tok_s"] / offline["output_tok_s"]
+                results.record(f"{scheduling}/c{c}", {"serve": row, "offline": offline, "serve_over_offline": ratio})
+            else:
+                results.record(f"{scheduling}/c{c}", {"serve": row})
             print(f"serve   {scheduling:5s} c={c:<3d} " + "  ".join(f"{k} {v:9.2f}" for k, v in row.items()),
                   flush=True)
         metrics = httpx.get(server.url + "/metrics", timeout=10).text
@@ -168,6 +182,9 @@ def main() -> None:
     parser.add_argument("--schedulings", default=",".join(SCHEDULINGS), help="async, sync or both, in this order")
     parser.add_argument("--compile-cache", default=None, help="compile cache folder (default: a temporary one)")
     parser.add_argument("--budget-s", type=float, default=180, help="skip parts that would end later than this")
+    parser.add_argument("--api-servers", type=int, default=None,
+                        help="API server processes of the extra round at the highest concurrency (default 4; CPU "
+                             "smoke: 2; 1: no such round)")
     args = parser.parse_args()
     # A time box's SIGTERM must still stop the server (its `finally`): left running, it would hold
     # the GPU's memory through the steps after this one.
@@ -183,6 +200,7 @@ def main() -> None:
     schedulings = [s.strip() for s in args.schedulings.split(",")]
     if bad := [s for s in schedulings if s not in SCHEDULINGS]:
         parser.error(f"--schedulings takes async and sync, got {bad}")
+    api_servers = args.api_servers or (4 if on_gpu() else 2)
     prompts = word_prompts(num, config["vocab_size"], prompt_range, output_range)
     results = ResultsFile(args.json, num_prompts=num, levels=levels, failures=[])
     if args.server_log:
@@ -207,7 +225,17 @@ def main() -> None:
             except Exception:
                 results.fail(f"{scheduling}: offline")
             round_s = max(round_s, time.perf_counter() - started)
-    print_table(results, schedulings, levels)
+            if scheduling == "async" and api_servers > 1:
+                if not budget.allows(0.5 * round_s):
+                    results.skip(f"serve with {api_servers} API servers")
+                    continue
+                try:
+                    results.data["failures"] += serve_levels(folder, cache, scheduling, prompts, levels[-1:],
+                                                             results, args.server_log, api_servers)
+                    results.write()
+                except Exception:
+                    results.fail(f"serve with {api_servers} API servers")
+    print_table(results, [k for s in schedulings for k in (s, f"{s}-api{api_servers}")], levels)
     failures = results.data["failures"] + [f"{what} failed" for what in results.errors]
     print("failures: " + ("; ".join(failures) if failures else "none"))
     sys.exit(1 if failures else 0)

@@ -23,6 +23,8 @@ TARGETS = [
     ("batch-8 GPU busy (async)", ("profile", "async/b8", "busy_fraction"), 0.85, True),
     ("kernels per decode step (batch 1)", ("profile", "async/b1", "kernels_per_step"), 300, False),
     ("serve c=32 / offline c=32 (async)", ("serve", "async/c32", "serve_over_offline"), 0.5, True),
+    ("serve c=32 / offline c=32 (async, 4 API servers)", ("serve", "async-api4/c32", "serve_over_offline"), 0.5,
+     True),
 ]
 
 
