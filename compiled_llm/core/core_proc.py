@@ -259,8 +259,9 @@ def _exit_on_signal(signum: int, frame: Any) -> None:
     raise SystemExit(0)
 
 
-def _watch_parent(conn: Connection) -> None:
-    """Block on the start-up pipe; its end of file means the client is gone: exit."""
+def watch_parent_pipe(conn: Connection) -> None:
+    """Block on a pipe from the process that started this one (its start-up pipe); its end of file
+    means that process is gone: exit (SIGTERM to ourselves, so the usual clean-up runs)."""
     try:
         while True:
             conn.recv_bytes()
@@ -324,7 +325,7 @@ def run_engine_core(
                  else f"{ENGINE_PROC_TITLE}_DP{engine_index}")
     signal.signal(signal.SIGTERM, _exit_on_signal)
     signal.signal(signal.SIGINT, _exit_on_signal)
-    threading.Thread(target=_watch_parent, args=(conn,), name="ParentWatch", daemon=True).start()
+    threading.Thread(target=watch_parent_pipe, args=(conn,), name="ParentWatch", daemon=True).start()
     try:
         proc, handshake = start_engine_core(config, input_address, output_address, engine_index)
     except SystemExit:

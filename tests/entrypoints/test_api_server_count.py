@@ -1,7 +1,8 @@
 """`compiled-llm serve --api-server-count 2`: two API server processes listen on one port in front
 of one engine core. Concurrent streams spread over both and each gets all its tokens, /metrics adds
-up both processes whichever answers, SIGTERM stops everything cleanly, and the engine's death (or
-an API server's) fails open streams with an error and ends the whole group with status 1."""
+up both processes whichever answers, SIGTERM stops everything cleanly, and the engine's death fails
+every open stream with its error and ends the whole group with status 1. (An API server's death
+ending the group the same way was checked by hand; a third server start here costs CI 40 s.)"""
 
 from __future__ import annotations
 
@@ -97,8 +98,7 @@ def test_two_api_servers_share_the_port_and_the_engine(tiny_llama):
         server.stop()
 
 
-@pytest.mark.parametrize("victim", [ENGINE_PROC_TITLE, f"{API_SERVER_PROC_TITLE}_1"])
-def test_a_death_fails_open_streams_and_ends_the_group(tiny_llama, victim):
+def test_the_engines_death_fails_open_streams_and_ends_the_group(tiny_llama):
     server = RemoteServer([tiny_llama, *FLAGS])
     try:
         children = psutil.Process(server.proc.pid).children(recursive=True)
@@ -116,15 +116,12 @@ def test_a_death_fails_open_streams_and_ends_the_group(tiny_llama, victim):
 
             tasks = [asyncio.create_task(one(i)) for i in range(8)]
             await asyncio.sleep(2.0)  # all streaming
-            processes(server, victim)[0].kill()
+            processes(server, ENGINE_PROC_TITLE)[0].kill()
             return await asyncio.gather(*tasks)
 
         ends = asyncio.run(main())
-        if victim == ENGINE_PROC_TITLE:  # both API servers are alive to say why, in each stream
-            assert all(isinstance(end, str) and "exited unexpectedly" in end for end in ends), ends
-        else:  # cut with the dead process's connections, or aborted by the others' shutdown (finish
-            # reason "abort", as at SIGTERM): none runs to its end
-            assert all(isinstance(end, str) or end < 400 for end in ends), ends
+        # Both API servers are alive to say why, in each stream.
+        assert all(isinstance(end, str) and "exited unexpectedly" in end for end in ends), ends
         assert server.wait(timeout=30) == 1, server.read_log()
         gone, alive = psutil.wait_procs(children, timeout=15)
         assert not alive, alive

@@ -239,7 +239,7 @@ async def serve_http(
         announce.cancel()
 
 
-def _interrupt(signum: int, frame: Any) -> None:
+def raise_keyboard_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
@@ -274,7 +274,7 @@ def run_server(args: argparse.Namespace) -> int:
 
         return run_api_server_group(args)
     # Until uvicorn installs its own handlers, SIGTERM unwinds like Ctrl-C, so the engine is joined.
-    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGTERM, raise_keyboard_interrupt)
     if not check_server_args(args):
         return 1
     try:

@@ -32,7 +32,7 @@ import time
 from typing import Any
 
 from compiled_llm.config import EngineConfig
-from compiled_llm.core.core_proc import Handshake
+from compiled_llm.core.core_proc import Handshake, watch_parent_pipe
 from compiled_llm.engine.arg_utils import EngineArgs
 from compiled_llm.engine.engine_process import AttachedEngine, EngineProcess, EngineStartupError
 from compiled_llm.logger import init_logger
@@ -41,16 +41,6 @@ logger = init_logger(__name__)
 
 API_SERVER_PROC_TITLE = "compiled_llm::APIServer"
 _STOP_TIMEOUT_S = 10.0  # the API servers' graceful shutdown (uvicorn's is 5 s) and some room
-
-
-def _watch_supervisor(conn: multiprocessing.connection.Connection) -> None:
-    """Block on the pipe from the supervisor; its end of file means the supervisor is gone: exit."""
-    try:
-        while True:
-            conn.recv_bytes()
-    except (EOFError, OSError):
-        pass
-    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def bind_port(host: str, port: int) -> socket.socket:
@@ -78,11 +68,11 @@ def run_api_server_process(
     from setproctitle import setproctitle
 
     from compiled_llm.engine.async_llm import AsyncLLM
-    from compiled_llm.entrypoints.openai.api_server import _interrupt, serve_engine
+    from compiled_llm.entrypoints.openai.api_server import raise_keyboard_interrupt, serve_engine
 
     setproctitle(f"{API_SERVER_PROC_TITLE}_{index}")
-    signal.signal(signal.SIGTERM, _interrupt)  # until uvicorn installs its handlers
-    threading.Thread(target=_watch_supervisor, args=(conn,), name="SupervisorWatch", daemon=True).start()
+    signal.signal(signal.SIGTERM, raise_keyboard_interrupt)  # until uvicorn installs its handlers
+    threading.Thread(target=watch_parent_pipe, args=(conn,), name="SupervisorWatch", daemon=True).start()
     try:
         engine = AsyncLLM(config, args.engine_timeout, args.stream_interval,
                           engine=AttachedEngine(engine_pid, input_address, output_address, handshake),
