@@ -88,6 +88,14 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _client_frame(frames: list[bytes]) -> int:
+    """The sender's client index in an ABORT's third frame (absent: 0)."""
+    try:
+        return int(frames[2]) if len(frames) > 2 else 0
+    except ValueError:
+        return 0
+
+
 def _salvage_id(kind: RequestType, frame: bytes) -> tuple[str | int, int] | None:
     """The request id (or utility call id) of an undecodable ADD (or UTILITY) message and its
     sender's client index, if any: its sender is told why instead of waiting for ever."""
@@ -171,8 +179,10 @@ class EngineCoreProc:
                 return
             self.router.added(data.request_id, data.client_index)
         elif kind == RequestType.ABORT:
-            self.engine.abort_requests(data)
-            self.router.aborted(data)
+            request_ids, client = data
+            request_ids = self.router.owned(request_ids, client)
+            self.engine.abort_requests(request_ids)
+            self.router.aborted(request_ids)
         elif kind == RequestType.UTILITY:
             client = self.router.check_client(data.client_index)
             self.output_queue.put((client, EngineCoreOutputs(utility_output=run_utility(self.engine, data))))
@@ -229,6 +239,8 @@ class EngineCoreProc:
                         logger.error("Dropped a malformed %s message to the engine core: %s", kind.name, e)
                         continue
                     data = _Refused(kind, found[0], f"Malformed {kind.name} message: {e}", found[1])
+                if kind == RequestType.ABORT and not isinstance(data, _Refused):
+                    data = (data, _client_frame(frames))
                 self.input_queue.put((kind, data))
         finally:
             sock.close(linger=0)
@@ -239,6 +251,8 @@ class EngineCoreProc:
         try:
             for address in addresses:
                 sockets.append(ctx.socket(zmq.PUSH))
+                if len(addresses) > 1:  # one lagging API server must not stall the others' outputs
+                    sockets[-1].setsockopt(zmq.SNDHWM, 0)
                 sockets[-1].connect(address)
             while True:
                 item = self.output_queue.get()

@@ -35,6 +35,13 @@ class OutputRouter:
         if self.num_clients > 1:
             self._client_of[request_id] = self.check_client(client)
 
+    def owned(self, request_ids: list[str], client: int) -> list[str]:
+        """Those of `request_ids` that `client` sent: a client aborts only its own requests (an id
+        chosen by a user may be open on another client)."""
+        if self.num_clients == 1:
+            return request_ids
+        return [request_id for request_id in request_ids if self._client_of.get(request_id) == client]
+
     def aborted(self, request_ids: list[str]) -> None:
         """Aborted requests end without an output: forget them."""
         if self.num_clients > 1:

@@ -265,7 +265,7 @@ class AsyncMPClient:
         return item
 
     # ---- requests --------------------------------------------------------------------------
-    def _send(self, kind: RequestType, data: bytes) -> None:
+    def _send(self, kind: RequestType, data: bytes, *more: bytes) -> None:
         """Queue a message for the sender task (in order; never blocks, never fails on a burst)."""
         if self.dead_error is not None:
             raise EngineDeadError(str(self.dead_error))
@@ -273,7 +273,7 @@ class AsyncMPClient:
             raise EngineDeadError("The engine core client is shut down.")
         self._ensure_receiving()
         assert self._send_queue is not None
-        self._send_queue.put_nowait([kind.value, data])
+        self._send_queue.put_nowait([kind.value, data, *more])
 
     async def _send_inputs(self) -> None:
         """Write queued messages to the engine's socket. When its queue is full (the engine's input
@@ -300,7 +300,9 @@ class AsyncMPClient:
     async def abort_requests_async(self, request_ids: list[str]) -> None:
         if not request_ids or self.dead_error is not None or self._closed:
             return  # a dead engine holds nothing to free
-        self._send(RequestType.ABORT, self._encoder.encode(request_ids))
+        # The third frame, the sender's client index: an engine shared by several API servers aborts
+        # only this one's requests of those ids (a user-chosen id may be open on another one).
+        self._send(RequestType.ABORT, self._encoder.encode(request_ids), str(self.client_index).encode())
         self._in_flight.difference_update(request_ids)
 
     async def call_utility_async(self, method: str, *args: Any) -> Any:

@@ -171,6 +171,9 @@ class AttachedEngine:
             self.sentinel = os.pidfd_open(pid)
         except ProcessLookupError as e:
             raise EngineStartupError(f"The engine core process (pid {pid}) is gone.") from e
+        except OSError as e:  # e.g. a container's seccomp profile without pidfd_open (Linux < 5.3)
+            raise EngineStartupError(f"Cannot watch the engine core process (pidfd_open: {e}); several API "
+                                     "server processes need Linux 5.3 or later and pidfd_open allowed.") from e
         self._closed = False
 
     @property

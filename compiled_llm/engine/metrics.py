@@ -219,10 +219,15 @@ class EngineMetrics:
         self.request_max_num_generation_tokens[self.engine].observe(max(counts))
 
 
+# Set (with PROMETHEUS_MULTIPROC_DIR) by `serve --api-server-count` for its API server processes.
+GROUP_METRICS_ENV = "COMPILED_LLM_API_SERVER_GROUP"
+
+
 def exposition(registry: CollectorRegistry) -> bytes:
     """What /metrics answers: this process's series, or, when several API server processes share
-    the work (`PROMETHEUS_MULTIPROC_DIR`, set by `serve --api-server-count`), theirs added up."""
-    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    the work (`serve --api-server-count`), theirs added up from prometheus_client's multiprocess
+    files. (A PROMETHEUS_MULTIPROC_DIR set for other reasons does not change what one server says.)"""
+    if os.environ.get(GROUP_METRICS_ENV) and os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)
     return generate_latest(registry)

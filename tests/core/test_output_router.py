@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compiled_llm.core.core_proc import _salvage_id
+from compiled_llm.core.core_proc import _client_frame, _salvage_id
 from compiled_llm.core.output_router import OutputRouter
 from compiled_llm.messages.engine_core import (
     EngineCoreOutput,
@@ -106,3 +106,16 @@ def test_a_malformed_message_is_answered_to_its_sender():
     call[2] = "not a list"
     assert _salvage_id(RequestType.UTILITY, encoder.encode(call)) == (4, 1)
     assert _salvage_id(RequestType.ADD, b"\xc1") is None
+
+
+def test_a_client_aborts_only_its_own_requests():
+    """A user-chosen id may be open on two API servers one after the other: an abort from one must
+    not end the other's request."""
+    router = OutputRouter(2)
+    router.added("x", 1)
+    assert router.owned(["x", "unknown"], 0) == []
+    assert router.owned(["x", "unknown"], 1) == ["x"]
+    assert OutputRouter(1).owned(["x"], 0) == ["x"]  # one client: the engine's own check suffices
+    assert _client_frame([RequestType.ABORT.value, b"", b"3"]) == 3
+    assert _client_frame([RequestType.ABORT.value, b""]) == 0
+    assert _client_frame([RequestType.ABORT.value, b"", b"junk"]) == 0

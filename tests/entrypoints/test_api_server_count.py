@@ -10,6 +10,7 @@ import asyncio
 import re
 import signal
 import subprocess
+import sys
 import time
 
 import httpx
@@ -31,13 +32,15 @@ def processes(server: RemoteServer, title: str) -> list[psutil.Process]:
     return [p for p in psutil.Process(server.proc.pid).children(recursive=True) if title in " ".join(p.cmdline())]
 
 
-def wait_all_listening(server: RemoteServer, api_servers: list[psutil.Process]) -> None:
-    """/health answered from the first process up; the other may still be loading."""
+def listening_api_servers(server: RemoteServer) -> list[psutil.Process]:
+    """Both API server processes, once both listen: /health answered from the first one up, the
+    other may still be loading."""
     deadline = time.monotonic() + TIMEOUT
     while time.monotonic() < deadline:
-        if all(any(c.status == psutil.CONN_LISTEN and c.laddr.port == server.port for c in p.net_connections())
-               for p in api_servers):
-            return
+        found = processes(server, API_SERVER_PROC_TITLE)
+        if len(found) == 2 and all(any(c.status == psutil.CONN_LISTEN and c.laddr.port == server.port
+                                       for c in p.net_connections()) for p in found):
+            return found
         time.sleep(0.2)
     raise TimeoutError(server.read_log())
 
@@ -47,29 +50,41 @@ def metric(server: RemoteServer, name: str) -> float:
     return sum(float(v) for v in re.findall(rf"^compiled_llm:{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.MULTILINE))
 
 
-async def stream_tokens(c: openai.AsyncOpenAI, i: int, max_tokens: int) -> int:
-    """The tokens the stream's closing usage chunk counts."""
+async def stream_tokens(c: openai.AsyncOpenAI, i: int, max_tokens: int, started: asyncio.Barrier) -> int:
+    """The tokens the stream's closing usage chunk counts; after its first chunk the stream waits
+    at `started` (so the test acts while every stream is open)."""
     stream = await c.completions.create(model="tiny", prompt=f"Stream {i} of many says", max_tokens=max_tokens,
                                         stream=True, temperature=0.5, seed=i, stream_options={"include_usage": True},
                                         extra_body={"ignore_eos": True})
-    usage = [chunk.usage async for chunk in stream if chunk.usage is not None]
+    usage, first = [], True
+    async for chunk in stream:
+        if first:
+            first = False
+            await started.wait()
+        if chunk.usage is not None:
+            usage.append(chunk.usage)
     return usage[-1].completion_tokens if usage else 0
+
+
+def client(server: RemoteServer) -> openai.AsyncOpenAI:
+    """Each stream on its own connection."""
+    return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=TIMEOUT,
+                              http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=32)))
 
 
 def test_two_api_servers_share_the_port_and_the_engine(tiny_llama):
     server = RemoteServer([tiny_llama, *FLAGS])
     try:
-        api_servers = processes(server, API_SERVER_PROC_TITLE)
-        assert len(api_servers) == 2 and len(processes(server, ENGINE_PROC_TITLE)) == 1
-        wait_all_listening(server, api_servers)
+        api_servers = listening_api_servers(server)
+        assert len(processes(server, ENGINE_PROC_TITLE)) == 1
 
         async def main() -> tuple[list[int], list[int]]:
-            # Each stream on its own connection; the connections stay open (keep-alive) afterwards.
-            c = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=TIMEOUT,
-                                   http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=32)))
-            counts = await asyncio.gather(*(stream_tokens(c, i, 12) for i in range(16)))
+            c, started = client(server), asyncio.Barrier(17)
+            tasks = [asyncio.create_task(stream_tokens(c, i, 12, started)) for i in range(16)]
+            await asyncio.wait_for(started.wait(), TIMEOUT)  # all 16 streams are open now
             connections = [sum(c.status == psutil.CONN_ESTABLISHED and c.laddr.port == server.port
                                for c in p.net_connections()) for p in api_servers]
+            counts = await asyncio.gather(*tasks)
             await c.close()
             return counts, connections
 
@@ -101,21 +116,20 @@ def test_two_api_servers_share_the_port_and_the_engine(tiny_llama):
 def test_the_engines_death_fails_open_streams_and_ends_the_group(tiny_llama):
     server = RemoteServer([tiny_llama, *FLAGS])
     try:
+        listening_api_servers(server)
         children = psutil.Process(server.proc.pid).children(recursive=True)
-        wait_all_listening(server, processes(server, API_SERVER_PROC_TITLE))
 
-        async def main() -> list[str]:
-            c = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=TIMEOUT,
-                                   http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=32)))
+        async def main() -> list[str | int]:
+            c, started = client(server), asyncio.Barrier(9)
 
             async def one(i: int) -> str | int:
                 try:
-                    return await stream_tokens(c, i, 400)
+                    return await stream_tokens(c, i, 400, started)
                 except (openai.APIError, httpx.HTTPError) as e:
                     return type(e).__name__ + ": " + str(e)
 
             tasks = [asyncio.create_task(one(i)) for i in range(8)]
-            await asyncio.sleep(2.0)  # all streaming
+            await asyncio.wait_for(started.wait(), TIMEOUT)  # all 8 streams are open
             processes(server, ENGINE_PROC_TITLE)[0].kill()
             return await asyncio.gather(*tasks)
 
@@ -130,7 +144,8 @@ def test_the_engines_death_fails_open_streams_and_ends_the_group(tiny_llama):
 
 
 def test_refused_with_data_parallelism(tiny_llama):
-    out = subprocess.run(["compiled-llm", "serve", tiny_llama, *FLAGS, "--data-parallel-size", "2"],
+    out = subprocess.run([sys.executable, "-m", "compiled_llm.entrypoints.cli", "serve", tiny_llama, *FLAGS,
+                          "--data-parallel-size", "2"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 1
     assert "--api-server-count > 1 serves one engine core" in out.stdout + out.stderr

@@ -35,6 +35,7 @@ from compiled_llm.config import EngineConfig
 from compiled_llm.core.core_proc import Handshake, watch_parent_pipe
 from compiled_llm.engine.arg_utils import EngineArgs
 from compiled_llm.engine.engine_process import AttachedEngine, EngineProcess, EngineStartupError
+from compiled_llm.engine.metrics import GROUP_METRICS_ENV
 from compiled_llm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -43,20 +44,29 @@ API_SERVER_PROC_TITLE = "compiled_llm::APIServer"
 _STOP_TIMEOUT_S = 10.0  # the API servers' graceful shutdown (uvicorn's is 5 s) and some room
 
 
-def bind_port(host: str, port: int) -> socket.socket:
-    """A socket bound to `host:port` with SO_REUSEPORT: the supervisor's (never listening) claims
-    the port, and each API server's listens on it."""
+def bind_port(host: str, port: int, reuse_port: bool = True) -> socket.socket:
+    """A socket bound to `host:port`, with SO_REUSEPORT unless told not to: the supervisor's (never
+    listening) claims the port, and each API server's listens on it."""
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                          flags=socket.AI_PASSIVE)[0]
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind(address)
     except BaseException:
         sock.close()
         raise
     return sock
+
+
+def claim_port(host: str, port: int) -> socket.socket:
+    """Bind once without SO_REUSEPORT first, so that a port in use (another `serve`, whose sockets
+    would otherwise share it with ours) fails here as it does for one server; then claim it."""
+    with bind_port(host, port, reuse_port=False) as probe:
+        port = probe.getsockname()[1]  # --port 0: the one the kernel chose
+    return bind_port(host, port)
 
 
 def run_api_server_process(
@@ -173,7 +183,7 @@ class _Supervisor:
 
 
 def run_api_server_group(args: argparse.Namespace) -> int:
-    from compiled_llm.entrypoints.openai.api_server import check_server_args
+    from compiled_llm.entrypoints.openai.api_server import check_server_args, raise_keyboard_interrupt
 
     if not check_server_args(args):
         return 1
@@ -187,7 +197,7 @@ def run_api_server_group(args: argparse.Namespace) -> int:
                      "--data-parallel-size %d yet.", config.parallel_config.data_parallel_size)
         return 1
     try:
-        claim = bind_port(args.host, args.port)
+        claim = claim_port(args.host, args.port)
     except OSError as e:
         logger.error("Could not bind %s:%d: %s", args.host, args.port, e)
         return 1
@@ -197,16 +207,24 @@ def run_api_server_group(args: argparse.Namespace) -> int:
     os.mkdir(metrics_dir)
     previous_metrics_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # inherited by the API servers
+    os.environ[GROUP_METRICS_ENV] = "1"
     supervisor = _Supervisor(args, config, folder)
 
     def request_stop(signum: int, frame: Any) -> None:
         supervisor.stop_requested = True
 
-    previous_handlers = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    # While the engine starts (minutes of loading or compiling, maybe), a signal interrupts the wait
+    # at once, as for one server; once all runs, it asks the waiting loop to stop.
+    signals = (signal.SIGTERM, signal.SIGINT)
+    previous_handlers = {sig: signal.signal(sig, raise_keyboard_interrupt) for sig in signals}
     status = 1
     try:
         supervisor.start()
+        for sig in signals:
+            signal.signal(sig, request_stop)
         status = supervisor.wait()
+    except KeyboardInterrupt:
+        status = 130
     except EngineStartupError as e:
         logger.error("%s", e)
     finally:
@@ -218,6 +236,7 @@ def run_api_server_group(args: argparse.Namespace) -> int:
         shutil.rmtree(folder, ignore_errors=True)
         for sig, handler in previous_handlers.items():
             signal.signal(sig, handler)
+        os.environ.pop(GROUP_METRICS_ENV, None)
         if previous_metrics_dir is None:
             os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
         else:
