@@ -45,6 +45,13 @@ def listening_api_servers(server: RemoteServer) -> list[psutil.Process]:
     raise TimeoutError(server.read_log())
 
 
+def assert_group_ended(server: RemoteServer, children: list[psutil.Process], status: int) -> None:
+    """`serve` exited with `status` and left none of its processes behind."""
+    assert server.wait(timeout=30) == status, server.read_log()
+    gone, alive = psutil.wait_procs(children, timeout=15)
+    assert not alive, alive
+
+
 def metric(server: RemoteServer, name: str) -> float:
     text = httpx.get(server.url + "/metrics", timeout=10).text
     return sum(float(v) for v in re.findall(rf"^compiled_llm:{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.MULTILINE))
@@ -106,9 +113,7 @@ def test_two_api_servers_share_the_port_and_the_engine(tiny_llama):
 
         children = psutil.Process(server.proc.pid).children(recursive=True)
         server.proc.send_signal(signal.SIGTERM)
-        assert server.wait(timeout=30) == 0, server.read_log()
-        gone, alive = psutil.wait_procs(children, timeout=15)
-        assert not alive, alive
+        assert_group_ended(server, children, status=0)
     finally:
         server.stop()
 
@@ -136,9 +141,7 @@ def test_the_engines_death_fails_open_streams_and_ends_the_group(tiny_llama):
         ends = asyncio.run(main())
         # Both API servers are alive to say why, in each stream.
         assert all(isinstance(end, str) and "exited unexpectedly" in end for end in ends), ends
-        assert server.wait(timeout=30) == 1, server.read_log()
-        gone, alive = psutil.wait_procs(children, timeout=15)
-        assert not alive, alive
+        assert_group_ended(server, children, status=1)
     finally:
         server.stop()
 
