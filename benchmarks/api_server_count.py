@@ -26,14 +26,14 @@ import tempfile
 
 import psutil
 from gpu_serve import word_prompts
+from gpu_workload import CPU_SMOKE_SHAPE
 from machine import format_machine, machine_report
 from serve import Server, free_port, run_level
 
 from compiled_llm.core.core_proc import ENGINE_PROC_TITLE
 from compiled_llm.models.dummy import SMOLLM2_135M, write_dummy_model
 
-TINY = dict(SMOLLM2_135M, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-            num_key_value_heads=1, head_dim=32, vocab_size=4096)
+TINY = dict(SMOLLM2_135M, **CPU_SMOKE_SHAPE)  # the GPU scripts' shrunken model
 
 
 def start(folder: str, count: int, extra: list[str]) -> Server:

@@ -68,7 +68,7 @@ class RequestStream:
         if isinstance(item, BaseException) or item.finished:
             self._done = True
             self._on_done(self.request_id)
-        else:
+        elif self._interval > 1:  # (counting costs a pass over the outputs: not at the default 1)
             self._pending_tokens += sum(len(c.token_ids) for c in item.outputs)
             if self._woken and self._pending_tokens < self._interval:
                 return  # wait for more tokens
