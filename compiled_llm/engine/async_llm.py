@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncGenerator, Callable, Iterable
 
 from compiled_llm.config import EngineConfig
+from compiled_llm.core.structured_outputs.spec import GRAMMAR_TIME_LIMIT_S, validate_structured_outputs
 from compiled_llm.engine.arg_utils import EngineArgs
 from compiled_llm.engine.chat_templates import ChatTemplateRenderer
 from compiled_llm.engine.core_client import AsyncMPClient, EngineDeadError
@@ -115,6 +116,9 @@ class AsyncLLM:
         self.output_processor.on_output = self.metrics.on_output
         # One thread: HF tokenizers are not meant to be used from several threads at once.
         self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        # Structured outputs constraints are parsed in their own thread (xgrammar releases the GIL):
+        # a costly one never holds up other requests' tokenization.
+        self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-check")
         # One engine core process, or a data-parallel group of them behind this frontend.
         self.client: AsyncMPClient | DPAsyncMPClient = (
             DPAsyncMPClient(config, engine_timeout_s) if config.parallel_config.data_parallel_size > 1
@@ -175,9 +179,12 @@ class AsyncLLM:
                                self.stream_interval)
         self._streams[request_id] = stream
         try:
-            request, text = await asyncio.get_running_loop().run_in_executor(
-                self._tokenizer_pool, self.processor.process, request_id, prompt, params, arrival, priority
+            loop = asyncio.get_running_loop()
+            request, text = await loop.run_in_executor(
+                self._tokenizer_pool, self.processor.process, request_id, prompt, params, arrival, priority, False
             )
+            if params.structured_outputs is not None:
+                await self._check_grammar(params)
             await self.check_health()
             self.start()
             children = self.output_processor.add_user_request(request, text, queue=stream)
@@ -226,6 +233,18 @@ class AsyncLLM:
 
     async def reset_prefix_cache(self) -> bool:
         return await self.client.reset_prefix_cache_async()
+
+    async def _check_grammar(self, params: SamplingParams) -> None:
+        """Parse the request's constraint (ValueError for a bad one, or one that takes longer than
+        `GRAMMAR_TIME_LIMIT_S`: the engine's compilation would take as long again)."""
+        check = asyncio.get_running_loop().run_in_executor(self._grammar_pool, validate_structured_outputs, params)
+        try:
+            await asyncio.wait_for(check, GRAMMAR_TIME_LIMIT_S)
+        except TimeoutError:
+            raise ValueError(
+                f"The structured outputs constraint took longer than {GRAMMAR_TIME_LIMIT_S:g} s to parse: it is too "
+                "complex to compile in reasonable time."
+            ) from None
 
     # ---- tokenizer work, off the event loop --------------------------------------------------
     async def _in_tokenizer_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -295,3 +314,4 @@ class AsyncLLM:
         self.client.shutdown()
         self.chat_renderer.shutdown()
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)

@@ -68,17 +68,20 @@ class Processor:
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        check_grammar: bool = True,
     ) -> tuple[EngineCoreRequest, str | None]:
+        """`check_grammar=False`: the caller parses the structured outputs constraint itself
+        (`validate_structured_outputs`), elsewhere than where it tokenizes."""
         if priority and self.scheduling_policy != "priority":
             raise ValueError(
                 f"priority={priority} needs the priority scheduling policy (--scheduling-policy priority)."
             )
         text, token_ids = self.tokenize(prompt)
-        params = self.validate(token_ids, params)
+        params = self.validate(token_ids, params, check_grammar)
         request = EngineCoreRequest(request_id, token_ids, params, arrival_time or time.time(), priority)
         return request, text
 
-    def validate(self, token_ids: list[int], params: SamplingParams) -> SamplingParams:
+    def validate(self, token_ids: list[int], params: SamplingParams, check_grammar: bool = True) -> SamplingParams:
         """Check the request against the model; returns params with `max_tokens` filled in."""
         max_len = self.model_config.max_model_len
         if not token_ids:
@@ -98,7 +101,8 @@ class Processor:
         if params.logprobs is not None and 0 <= limit < params.logprobs:  # -1: no limit
             raise ValueError(f"logprobs must be at most {limit}, got {params.logprobs}.")
         params.verify_for_model(self.vocab_size, limit)
-        validate_structured_outputs(params)  # a bad schema, regex or grammar: ValueError naming it
+        if check_grammar:
+            validate_structured_outputs(params)  # a bad schema, regex or grammar: ValueError naming it
         room = max_len - len(token_ids)
         if params.max_tokens is None:
             params = params.clone(max_tokens=max(room, 1))

@@ -84,7 +84,7 @@ def test_params_need_exactly_one_constraint():
 def test_a_choice_grammar_accepts_exactly_its_choices(compilers, choices):
     import xgrammar as xgr
 
-    compiled = compilers.compile(validate_structured_outputs(SO(choice=choices))).result(timeout=60)
+    compiled = compilers.compile(validate_structured_outputs(SO(choice=choices))).future.result(timeout=60)
     for choice in choices:
         matcher = xgr.GrammarMatcher(compiled)
         assert matcher.accept_string(choice) and matcher.is_completed(), choice
@@ -97,8 +97,28 @@ def test_each_distinct_spec_compiles_once(compilers):
     before = compilers.num_compilations
     specs = [grammar_spec(SO(json=PERSON)), grammar_spec(SO(json=json.dumps(PERSON))), grammar_spec(SO(regex="[0-9]+")),
              grammar_spec(SO(regex="[0-9]+")), grammar_spec(SO(json_object=True))]
-    futures = [compilers.compile(spec) for spec in specs]
-    assert futures[0] is futures[1] and futures[2] is futures[3]  # shared while compiling, too
-    for future in futures:
-        future.result(timeout=60)
+    jobs = [compilers.compile(spec) for spec in specs]
+    assert jobs[0] is jobs[1] and jobs[2] is jobs[3]  # shared while compiling, too
+    for job in jobs:
+        job.future.result(timeout=60)
     assert compilers.num_compilations - before == 3
+
+
+def nested_objects(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+def test_a_schema_nested_past_the_limit_is_refused_before_xgrammar_parses_it():
+    """Issue 21: 400 nested objects took xgrammar 12 s to parse and as long again to compile."""
+    from compiled_llm.core.structured_outputs.spec import MAX_JSON_SCHEMA_DEPTH
+
+    assert validate_structured_outputs(SO(json=nested_objects(MAX_JSON_SCHEMA_DEPTH - 1))) is not None
+    for depth in (MAX_JSON_SCHEMA_DEPTH + 1, 400):
+        with pytest.raises(ValueError, match=f"more than {MAX_JSON_SCHEMA_DEPTH} levels deep"):
+            validate_structured_outputs(SO(json=nested_objects(depth)))
+    deep_items = {"type": "array", "items": nested_objects(MAX_JSON_SCHEMA_DEPTH)}
+    with pytest.raises(ValueError, match="levels deep"):
+        validate_structured_outputs(SO(json=deep_items))

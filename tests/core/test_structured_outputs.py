@@ -105,7 +105,7 @@ def in_grammar_prefix(core, constraint: SO, text: str) -> bool:
 
     from compiled_llm.core.structured_outputs import grammar_spec
 
-    compiled = core.structured_outputs.compilers.compile(grammar_spec(constraint)).result(timeout=60)
+    compiled = core.structured_outputs.compilers.compile(grammar_spec(constraint)).future.result(timeout=60)
     return xgr.GrammarMatcher(compiled).accept_string(text)
 
 
@@ -130,6 +130,31 @@ def test_a_bad_constraint_is_refused_before_the_engine_and_by_it(llm):
     out = llm.generate(["Yes or no?"], SamplingParams(max_tokens=4, structured_outputs=SO(choice=["yes", "no"])),
                        use_tqdm=False)
     assert out[0].outputs[0].text in ("yes", "no")
+
+
+def test_a_grammar_compiling_past_the_time_limit_ends_its_request_and_no_other(llm, monkeypatch):
+    """The bound on what the depth limit does not catch: a compilation that runs past the limit
+    ends its request with an error naming it, while a plain request is served meanwhile."""
+    from compiled_llm.core.structured_outputs import manager
+
+    monkeypatch.setattr(manager, "GRAMMAR_TIME_LIMIT_S", 0.0)
+    core = llm.llm_engine.engine_core
+    deep = {"type": "string"}
+    for _ in range(28):  # 40 chains of 28 nested objects: about half a second to compile
+        deep = {"type": "object", "properties": {"a": deep}, "required": ["a"]}
+    costly = {"type": "object", "properties": {f"p{i}": deep for i in range(40)}}
+    core.add_request(EngineCoreRequest("slow", [1, 2, 3], SamplingParams(structured_outputs=SO(json=costly)),
+                                       time.time()))
+    core.add_request(EngineCoreRequest("plain", [1, 2, 3], SamplingParams(max_tokens=2), time.time()))
+    outputs: dict[str, list] = {}
+    deadline = time.monotonic() + 60
+    while core.has_unfinished_requests():
+        assert time.monotonic() < deadline
+        for out in core.step().outputs:
+            outputs.setdefault(out.request_id, []).append(out)
+    slow, plain = outputs["slow"][-1], outputs["plain"][-1]
+    assert slow.finish_reason == "error" and "longer than 0 s to compile" in slow.stop_reason
+    assert plain.finish_reason == "length"
 
 
 def test_ids_and_aborts_while_a_grammar_compiles(llm):

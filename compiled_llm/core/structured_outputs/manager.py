@@ -7,32 +7,29 @@ xgrammar or the tokenizer, and its steps build no bitmask.
 
 from __future__ import annotations
 
-from concurrent.futures import FIRST_COMPLETED, Future, wait
-from typing import TYPE_CHECKING
+import time
+from concurrent.futures import FIRST_COMPLETED, wait
 
 import torch
 
 from compiled_llm.config import ModelConfig
 from compiled_llm.core.request import Request
-from compiled_llm.core.structured_outputs.compiler import GrammarCompilerPool
+from compiled_llm.core.structured_outputs.compiler import GrammarCompilerPool, GrammarJob
 from compiled_llm.core.structured_outputs.grammar import RequestGrammar, bitmask_width, fill_grammar_bitmask
-from compiled_llm.core.structured_outputs.spec import grammar_spec, xgrammar_message
-
-if TYPE_CHECKING:
-    import xgrammar as xgr
+from compiled_llm.core.structured_outputs.spec import GRAMMAR_TIME_LIMIT_S, grammar_spec, xgrammar_message
 
 
 class StructuredOutputManager:
     def __init__(self, model_config: ModelConfig, max_num_seqs: int) -> None:
         self.compilers = GrammarCompilerPool(model_config.model, model_config.vocab_size, model_config.eos_token_ids)
-        self._waiting: dict[str, tuple[Request, Future[xgr.CompiledGrammar]]] = {}  # in arrival order
+        self._waiting: dict[str, tuple[Request, GrammarJob]] = {}  # in arrival order
         self._bitmask = torch.empty((max_num_seqs, bitmask_width(model_config.vocab_size)), dtype=torch.int32)
 
     def add_request(self, request: Request) -> None:
         """Start (or share) the compilation of the request's grammar; it waits here until done."""
         assert request.sampling_params.structured_outputs is not None
-        future = self.compilers.compile(grammar_spec(request.sampling_params.structured_outputs))
-        self._waiting[request.request_id] = (request, future)
+        job = self.compilers.compile(grammar_spec(request.sampling_params.structured_outputs))
+        self._waiting[request.request_id] = (request, job)
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -45,13 +42,21 @@ class StructuredOutputManager:
 
     def take_ready(self) -> tuple[list[Request], list[tuple[Request, str]]]:
         """Requests whose grammar is ready (each with its own matcher, in arrival order), and
-        those whose grammar failed to compile, with the reason."""
+        those whose grammar failed to compile or took longer than the time limit, with the reason."""
         ready: list[Request] = []
         failed: list[tuple[Request, str]] = []
-        for rid, (request, future) in list(self._waiting.items()):
-            if not future.done():
+        now = time.monotonic()
+        for rid, (request, job) in list(self._waiting.items()):
+            future = job.future
+            # Past the limit, done or not, it is refused: whenever the step loop happens to look.
+            overran = job.seconds(now) > GRAMMAR_TIME_LIMIT_S
+            if not future.done() and not overran:
                 continue
             del self._waiting[rid]
+            if overran:
+                failed.append((request, f"The structured outputs constraint took longer than "
+                                        f"{GRAMMAR_TIME_LIMIT_S:g} s to compile: it is too complex."))
+                continue
             error = future.exception()
             if isinstance(error, ValueError):  # refused by validation (a peer past the frontend's)
                 failed.append((request, str(error)))
@@ -66,7 +71,7 @@ class StructuredOutputManager:
     def wait(self, timeout: float) -> None:
         """Block until a waiting grammar is compiled, or `timeout` seconds (when nothing else runs)."""
         if self._waiting:
-            wait([future for _, future in self._waiting.values()], timeout, return_when=FIRST_COMPLETED)
+            wait([job.future for _, job in self._waiting.values()], timeout, return_when=FIRST_COMPLETED)
 
     def grammar_bitmask(self, requests: list[Request | None]) -> torch.Tensor:
         """The step's bitmask: one row per constrained request that samples in it, in that order
