@@ -95,6 +95,7 @@ class EngineCore:
             self.config.cache_config.block_size,
             request.arrival_time,
             request.priority,
+            request.parent_id,
         )
         if self.structured_outputs is not None and request.request_id in self.structured_outputs:
             raise ValueError(f"request id {request.request_id!r} is already in use")

@@ -41,8 +41,11 @@ class Request:
         block_size: int,
         arrival_time: float | None = None,
         priority: int = 0,
+        parent_id: str = "",
     ) -> None:
         self.request_id = request_id
+        # Requests with one parent (the samples of an `n > 1` request) share the running slots of one.
+        self.group = parent_id or request_id
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
         self.eos_token_ids = frozenset(() if sampling_params.ignore_eos else eos_token_ids)

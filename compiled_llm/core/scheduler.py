@@ -8,6 +8,11 @@ KV cache runs out for a running request, a running request is preempted (its blo
 recomputed later): the last one to arrive, or under the priority policy the one of lowest
 priority. A waiting request never preempts anyone.
 
+The samples of one `n > 1` request (a group) hold at most `max_running_per_group` running slots,
+so that about an eighth of them stay for other requests: admission passes over the waiting samples
+of a group at its share, and a preemption takes from the group with the most running members
+first. Alone, a request of its own is a group of one, and the order is as above.
+
 With asynchronous scheduling the next step is scheduled before the last one's tokens are known:
 a request that samples in a step gets a placeholder token (`num_output_placeholders`), which the
 next step computes (the runner feeds it from the device), and which turns into a real token when
@@ -27,6 +32,7 @@ logprobs); one with `max_tokens=0` (scoring) finishes after its prompt, its samp
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 from compiled_llm.config import CacheConfig, SchedulerConfig
 from compiled_llm.core.kv_cache_manager import KVCacheManager
@@ -47,6 +53,8 @@ class Scheduler:
         self.waiting = make_request_queue(scheduler_config.policy)
         self.running: list[Request] = []
         self.async_scheduling = scheduler_config.async_scheduling
+        max_seqs = scheduler_config.max_num_seqs
+        self.max_running_per_group = max(1, max_seqs - max(1, max_seqs // 8))
         # (asynchronous) Requests whose tokens in flight finish them: out of `running`, blocks freed.
         self.finishing: dict[str, Request] = {}
         self.finished_req_ids: set[str] = set()
@@ -124,11 +132,14 @@ class Scheduler:
                 if new_blocks is not None:
                     break
                 victim = self._pick_victim()
-                if victim.request_id in num_scheduled:  # (priority) already given tokens this step: undo
+                position = self.running.index(victim)
+                del self.running[position]
+                if position < index:  # already passed over (and maybe given tokens this step)
+                    index -= 1
+                if victim.request_id in num_scheduled:  # already given tokens this step: undo
                     budget += num_scheduled.pop(victim.request_id)
                     self._prompt_tokens -= prompt_counted.pop(victim.request_id)
                     cached_reqs = [c for c in cached_reqs if c.req_id != victim.request_id]
-                    index -= 1
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
@@ -147,8 +158,13 @@ class Scheduler:
             index += 1
 
         # Admit waiting requests only when nobody had to be preempted for lack of room.
+        per_group: Counter[str] | None = None  # running requests per group, counted once needed
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting.peek()
+            if per_group is None:
+                per_group = Counter(r.group for r in self.running)
+            request = self._next_admissible(per_group)
+            if request is None:
+                break
             computed_blocks, num_hit = [], 0
             looked_up = request.num_computed_tokens == 0 and not request.skips_prefix_cache
             if looked_up:
@@ -158,7 +174,11 @@ class Scheduler:
             if self.kv.allocate_slots(request, num_new, computed_blocks) is None:
                 request.num_computed_tokens = 0
                 break
-            self.waiting.pop()
+            if request is self.waiting.peek():
+                self.waiting.pop()
+            else:  # passed over a group at its share
+                self.waiting.remove(request)
+            per_group[request.group] += 1
             if looked_up:
                 self.kv.record_prefix_lookup(request, num_hit)
             if request.num_cached_tokens < 0:
@@ -213,14 +233,22 @@ class Scheduler:
             request.num_tokens + pending >= self.config.max_model_len
         )
 
+    def _next_admissible(self, per_group: Counter[str]) -> Request | None:
+        """The first waiting request, in the policy's order, whose group is below its share."""
+        head = self.waiting.peek()
+        if per_group[head.group] < self.max_running_per_group:
+            return head
+        return next((r for r in self.waiting if per_group[r.group] < self.max_running_per_group), None)
+
     def _pick_victim(self) -> Request:
-        """The running request to preempt (and take out of `running`): the last to arrive, or the
-        lowest-priority one (latest among equals) under the priority policy."""
+        """The running request to preempt: the lowest-priority one (latest among equals) under the
+        priority policy; otherwise the last to arrive of the group with the most running members
+        (of all running requests, when each is a group of one)."""
         if self.config.policy == "priority":
-            victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
-            self.running.remove(victim)
-            return victim
-        return self.running.pop()
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        per_group = Counter(r.group for r in self.running)
+        largest = max(per_group.values())
+        return next(r for r in reversed(self.running) if per_group[r.group] == largest)
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)

@@ -44,7 +44,7 @@ class ParentRequest:
         """The engine request of child `index` of the user's `request`."""
         return EngineCoreRequest(
             self.child_id(index), request.prompt_token_ids, self.child_params(index),
-            request.arrival_time, request.priority,
+            request.arrival_time, request.priority, request.client_index, parent_id=self.request_id,
         )
 
 

@@ -22,6 +22,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # Which of several API server processes sent it (`serve --api-server-count`): its outputs go
     # back to that one.
     client_index: int = 0
+    # The user's request whose `n > 1` samples this is one of ("" for a request of its own): the
+    # scheduler keeps one request's samples from taking every running slot.
+    parent_id: str = ""
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -171,6 +174,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         if r.num_tokens <= 32:
             self.s.add_request(r)
 
+    @rule(n=st.integers(2, 4), n_prompt=st.integers(1, 12), max_tokens=st.integers(1, 8))
+    def add_parallel_samples(self, n, n_prompt, max_tokens):
+        """A request with n > 1: its samples share a parent (and so a share of the slots)."""
+        self.n += 1
+        for i in range(n):
+            self.s.add_request(Request(f"{i}_p{self.n}", [3 + self.n % 5] * n_prompt,
+                                       SamplingParams(max_tokens=max_tokens), [EOS], 4, parent_id=f"p{self.n}"))
+
     @precondition(lambda self: self.s.requests)
     @rule(data=st.data())
     def abort(self, data):
@@ -195,6 +206,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             if r.finished:
                 assert r.request_id not in self.finished
                 self.finished.add(r.request_id)
+
+    @invariant()
+    def no_parent_holds_every_slot(self):
+        per_parent = Counter(r.group for r in self.s.running)
+        assert all(count <= self.s.max_running_per_group < 3 for count in per_parent.values())
 
     @invariant()
     def blocks_accounted(self):
@@ -316,6 +332,44 @@ TestSchedulerMachine.settings = settings(max_examples=100, stateful_step_count=4
                                          suppress_health_check=[HealthCheck.too_slow])
 TestPrioritySchedulerMachine = PrioritySchedulerMachine.TestCase
 TestPrioritySchedulerMachine.settings = TestSchedulerMachine.settings
+
+
+# ---- parallel samples (n > 1) share the slots of about one request ---------------------------------
+def samples(parent: str, n: int, max_tokens: int = 50) -> list[Request]:
+    return [Request(f"{i}_{parent}", [5, 6, 7, 8], SamplingParams(max_tokens=max_tokens), [EOS], 4, parent_id=parent)
+            for i in range(n)]
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_a_request_arriving_behind_many_samples_runs_at_once(policy):
+    """Issue 21: 128 samples of one request held every slot and the queue ahead of everyone else."""
+    s = make_scheduler(num_blocks=200, max_num_seqs=8, budget=64, policy=policy)
+    for r in samples("big", 16):
+        s.add_request(r)
+    run_step(s)
+    assert len(s.running) == s.max_running_per_group == 7  # one slot of 8 left for the others
+    s.add_request(req("small", 4, max_tokens=2))
+    out, _ = run_step(s)
+    assert "small" in out.num_scheduled_tokens
+    _, results = run_step(s)
+    assert any(r.request_id == "small" and r.finished for r in results)
+    while s.has_unfinished_requests():  # and the samples all finish
+        run_step(s)
+
+
+def test_preemption_takes_from_the_largest_group_first():
+    s = make_scheduler(num_blocks=12, block_size=4, max_num_seqs=8, budget=64)
+    for r in samples("big", 6, max_tokens=30):
+        s.add_request(r)
+    run_step(s)
+    s.add_request(req("small", 4, max_tokens=30))
+    while "small" not in s.requests or s.requests["small"].status != RequestStatus.RUNNING:
+        run_step(s)
+    while not (out := run_step(s)[0]).preempted_req_ids:
+        assert s.has_unfinished_requests()
+    assert all(rid.endswith("_big") for rid in out.preempted_req_ids)  # not the one request of its own
+    while s.has_unfinished_requests():
+        run_step(s)
 
 
 # ---- the priority policy ------------------------------------------------------------------------
