@@ -49,6 +49,22 @@ def cpu_native_bf16() -> str | None:
     return next((f for f in ("amx_bf16", "avx512_bf16") if f in flags), None)
 
 
+# What `--dtype auto` means on a CPU when set (float32 or bfloat16), instead of the choice by the
+# CPU's flags: the test suite pins float32, so that its KV budgets (sized in bytes) and its exact
+# comparisons mean the same on every CPU.
+AUTO_CPU_DTYPE_ENV = "COMPILED_LLM_CPU_AUTO_DTYPE"
+
+
+def auto_cpu_dtype() -> torch.dtype:
+    """bfloat16 where the CPU has native bf16, float32 elsewhere, unless `AUTO_CPU_DTYPE_ENV` says."""
+    forced = os.environ.get(AUTO_CPU_DTYPE_ENV)
+    if forced:
+        if _DTYPES.get(forced) not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"{AUTO_CPU_DTYPE_ENV}={forced!r}: use float32 or bfloat16.")
+        return _DTYPES[forced]
+    return torch.bfloat16 if cpu_native_bf16() else torch.float32
+
+
 def resolve_dtype(dtype: str | torch.dtype, hf_config: Any, device: torch.device) -> torch.dtype:
     """`auto` on a CPU: bfloat16 where the CPU has native bf16 (AMX or avx512_bf16), float32
     elsewhere. On a GPU: the checkpoint's half-precision dtype, and bfloat16 for a float32
@@ -60,7 +76,7 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: Any, device: torch.device
             raise ValueError(f"Unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16.")
         return _DTYPES[dtype]
     if device.type == "cpu":
-        return torch.bfloat16 if cpu_native_bf16() else torch.float32
+        return auto_cpu_dtype()
     checkpoint = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if isinstance(checkpoint, str):
         checkpoint = _DTYPES.get(checkpoint)
@@ -73,6 +89,9 @@ def describe_cpu_dtype(dtype: torch.dtype) -> str:
     """Why a CPU engine runs in `dtype`, for the start-up log (what `auto` would pick, and why)."""
     native = cpu_native_bf16()
     name = str(dtype).removeprefix("torch.")
+    forced = os.environ.get(AUTO_CPU_DTYPE_ENV)
+    if forced and dtype == auto_cpu_dtype():
+        return f"{name}: {AUTO_CPU_DTYPE_ENV}={forced} (by its flags the CPU would get {'bfloat16' if native else 'float32'})"
     if dtype == torch.bfloat16:
         return (f"{name}: the CPU has {native}" if native else
                 f"{name} as asked, but the CPU has no native bf16 (neither AMX nor avx512_bf16): matmuls run "

@@ -9,6 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+# `--dtype auto` is float32 in every test, bf16-capable CPU or not: KV budgets here are sized in
+# bytes and many comparisons are exact (compiled_llm/config.py: AUTO_CPU_DTYPE_ENV).
+os.environ.setdefault("COMPILED_LLM_CPU_AUTO_DTYPE", "float32")
 torch.set_num_threads(int(os.environ.get("COMPILED_LLM_NUM_THREADS", 0)) or (os.cpu_count() or 1))
 
 TINY_COMMON = dict(

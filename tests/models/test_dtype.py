@@ -15,6 +15,21 @@ from compiled_llm.config import cpu_native_bf16, describe_cpu_dtype, resolve_dty
 CPU = torch.device("cpu")
 
 
+@pytest.fixture(autouse=True)
+def choice_by_flags(monkeypatch):
+    """The suite pins `auto` to float32 (tests/conftest.py); here `auto` chooses by the CPU's flags."""
+    monkeypatch.delenv(config.AUTO_CPU_DTYPE_ENV, raising=False)
+
+
+def test_the_environment_can_pin_auto(monkeypatch):
+    monkeypatch.setenv(config.AUTO_CPU_DTYPE_ENV, "float32")
+    assert resolve_dtype("auto", None, CPU) == torch.float32
+    assert config.AUTO_CPU_DTYPE_ENV in describe_cpu_dtype(torch.float32)
+    monkeypatch.setenv(config.AUTO_CPU_DTYPE_ENV, "float16")
+    with pytest.raises(ValueError, match="use float32 or bfloat16"):
+        resolve_dtype("auto", None, CPU)
+
+
 def test_auto_follows_this_cpu():
     expected = torch.bfloat16 if cpu_native_bf16() else torch.float32
     assert resolve_dtype("auto", None, CPU) == expected
