@@ -6,7 +6,9 @@ so rendering runs in a small pool of spawned processes. Each render has a deadli
 that misses it is killed and replaced, and its request gets a 400. A worker's memory is capped
 (`RLIMIT_AS`), so a template that builds a huge string fails there instead of in the server.
 Other requests keep flowing meanwhile, on the other workers, and nothing a worker does can keep
-the server from exiting.
+the server from exiting. A render whose client leaves is not a fault of its worker: the worker
+rejoins the pool once its unwanted answer arrives (a fresh worker takes seconds to start, and 100
+clients giving up at once would otherwise replace every worker and stall the next request).
 """
 
 from __future__ import annotations
@@ -118,6 +120,7 @@ class ChatTemplateRenderer:
         self._workers = [_Worker(model) for _ in range(num_workers)]
         self._idle: asyncio.Queue[_Worker] | None = None
         self._closed = False
+        self._reclaiming: set[asyncio.Task] = set()  # workers finishing a render nobody waits for
 
     def _pool(self) -> asyncio.Queue[_Worker]:
         if self._idle is None:
@@ -133,7 +136,7 @@ class ChatTemplateRenderer:
             raise RuntimeError("the chat template renderer is shut down")
         idle = self._pool()
         worker = await idle.get()
-        replace = False
+        outcome = "idle"  # what becomes of the worker: back to the pool, replaced, or reclaimed
         try:
             if not worker.ready:  # its first message says the tokenizer is loaded
                 await worker.receive(None)
@@ -141,22 +144,43 @@ class ChatTemplateRenderer:
             worker.conn.send((messages, kwargs))
             kind, value = await worker.receive(self.timeout_s)
         except asyncio.TimeoutError:
-            replace = True
+            outcome = "replace"
             raise ChatTemplateError(f"rendering the chat template took longer than {self.timeout_s:g} s") from None
         except (EOFError, OSError, BrokenPipeError):
-            replace = True
+            outcome = "replace"
             raise ChatTemplateError("the chat template's render worker died (out of memory?)") from None
-        except BaseException:  # cancelled mid-render: the worker's state is unknown
-            replace = True
+        except asyncio.CancelledError:  # its client left: the worker is sound, its answer unwanted
+            outcome = "reclaim"
+            raise
+        except BaseException:
+            outcome = "replace"
             raise
         finally:
-            if replace:
+            if outcome == "replace":
                 self._replace(worker)
+            elif outcome == "reclaim":
+                task = asyncio.get_running_loop().create_task(self._reclaim(worker))
+                self._reclaiming.add(task)
+                task.add_done_callback(self._reclaiming.discard)
             else:
                 idle.put_nowait(worker)
         if kind != "ok":
             raise ChatTemplateError(value)
         return value
+
+    async def _reclaim(self, worker: _Worker) -> None:
+        """Wait for the message the cancelled render was waiting for (its tokenizer being ready, or
+        its answer, within the deadline), then give the worker back; replace it past the deadline."""
+        try:
+            await worker.receive(None if not worker.ready else self.timeout_s)
+        except asyncio.CancelledError:  # the server is stopping
+            return
+        except (asyncio.TimeoutError, EOFError, OSError):
+            self._replace(worker)
+            return
+        worker.ready = True
+        if not self._closed:
+            self._pool().put_nowait(worker)
 
     def _replace(self, worker: _Worker) -> None:
         worker.kill()
@@ -169,6 +193,8 @@ class ChatTemplateRenderer:
 
     def shutdown(self) -> None:
         self._closed = True
+        for task in self._reclaiming:
+            task.cancel()
         for worker in self._workers:
             worker.kill()
         self._workers.clear()
