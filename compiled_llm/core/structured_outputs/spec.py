@@ -87,11 +87,11 @@ def validate_structured_outputs(params: SamplingParams | StructuredOutputsParams
 @lru_cache(maxsize=1024)
 def check_spec(spec: GrammarSpec) -> None:
     """Parse `spec` with xgrammar (cached: a repeated spec is checked once)."""
-    import xgrammar as xgr
-
     what = {"json": "JSON schema", "json_object": "JSON object", "regex": "regex", "grammar": "grammar"}[spec.kind]
     if spec.kind == "json":
-        _check_enforceable(json.loads(spec.text), "#", 0)
+        _check_enforceable(json.loads(spec.text), "#", 0)  # before xgrammar is even loaded
+    import xgrammar as xgr
+
     if "\x00" in spec.text:
         raise ValueError(f"The structured outputs {what} must not contain a NUL character.")
     try:
