@@ -39,6 +39,7 @@ from compiled_llm.messages.engine_core import (
     RequestType,
     UtilityRequest,
 )
+from compiled_llm.utils import exit_without_teardown
 
 logger = init_logger(__name__)
 
@@ -132,7 +133,7 @@ class EngineCoreProc:
         self._stop_input = threading.Event()
         self._shutdown_requested = False
         self._stats_stale = False
-        ctx = zmq.Context()
+        self._ctx = ctx = zmq.Context()
         self.input_thread = threading.Thread(
             target=self._receive_inputs, args=(ctx, input_address), name="EngineCoreInput", daemon=True
         )
@@ -205,11 +206,15 @@ class EngineCoreProc:
             self.output_queue.put(item)
 
     def shutdown(self) -> None:
-        """Stop both threads; the output thread sends what is queued first (a few seconds at most)."""
+        """Stop both threads; the output thread sends what is queued first (a few seconds at most),
+        and what its socket still holds goes out before the context ends (its linger, 1 s at most):
+        the process exits without the interpreter's teardown, which would otherwise end it."""
         self._stop_input.set()
         self.output_queue.put(None)
         self.output_thread.join(timeout=5)
         self.input_thread.join(timeout=1)
+        if not self.input_thread.is_alive() and not self.output_thread.is_alive():
+            self._ctx.term()  # would wait for ever on a socket still open in a stuck thread
 
     # ---- the socket threads -------------------------------------------------------------------
     def _receive_inputs(self, ctx: zmq.Context, address: str) -> None:
@@ -345,6 +350,6 @@ def run_engine_core(
     except SystemExit:
         return
     conn.send_bytes(msgspec.msgpack.encode(handshake))
-    if proc is None:
-        raise SystemExit(1)
-    raise SystemExit(serve_engine_core(proc))
+    # Every resource is released explicitly by now: skip the interpreter's teardown of the heap
+    # (seconds of garbage collection, for the frontend's join on shutdown to wait out).
+    exit_without_teardown(1 if proc is None else serve_engine_core(proc))
