@@ -37,6 +37,7 @@ from compiled_llm.engine.arg_utils import EngineArgs
 from compiled_llm.engine.engine_process import AttachedEngine, EngineProcess, EngineStartupError
 from compiled_llm.engine.metrics import GROUP_METRICS_ENV
 from compiled_llm.logger import init_logger
+from compiled_llm.utils import exit_without_teardown
 
 logger = init_logger(__name__)
 
@@ -98,7 +99,7 @@ def run_api_server_process(
         logger.error("API server %d could not bind %s:%d: %s", index, args.host, args.port, e)
         engine.shutdown()
         sys.exit(1)
-    sys.exit(serve_engine(engine, args, sock))
+    exit_without_teardown(serve_engine(engine, args, sock))  # as one server's process ends (cli.py)
 
 
 class _Supervisor:
@@ -114,6 +115,16 @@ class _Supervisor:
         self._pipes: list[Any] = []
         self.stop_requested = False
         self.engine_died = False
+        # Written to by `request_stop` (a signal handler), so that `wait` returns at once.
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_write, False)
+
+    def request_stop(self) -> None:
+        self.stop_requested = True
+        try:
+            os.write(self._wake_write, b"\0")
+        except BlockingIOError:  # a wake-up is pending already
+            pass
 
     def start(self) -> None:
         """The engine first (its handshake says how big the KV cache came out), then the servers."""
@@ -141,7 +152,7 @@ class _Supervisor:
         engine_sentinel = self.engine.proc.sentinel
         sentinels = {server.sentinel: server for server in self.servers}
         while not self.stop_requested:
-            ready = multiprocessing.connection.wait([engine_sentinel, *sentinels], timeout=0.5)
+            ready = multiprocessing.connection.wait([engine_sentinel, *sentinels, self._wake_read])
             if self.stop_requested:  # Ctrl-C reaches the children too: their exits are expected now
                 break
             if engine_sentinel in ready:
@@ -179,6 +190,8 @@ class _Supervisor:
         for pipe in self._pipes:
             pipe.close()
         self.engine.stop()
+        os.close(self._wake_read)
+        os.close(self._wake_write)
         return clean
 
 
@@ -211,7 +224,7 @@ def run_api_server_group(args: argparse.Namespace) -> int:
     supervisor = _Supervisor(args, config, folder)
 
     def request_stop(signum: int, frame: Any) -> None:
-        supervisor.stop_requested = True
+        supervisor.request_stop()
 
     # While the engine starts (minutes of loading or compiling, maybe), a signal interrupts the wait
     # at once, as for one server; once all runs, it asks the waiting loop to stop.
