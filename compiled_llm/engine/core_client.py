@@ -99,6 +99,7 @@ class AsyncMPClient:
         self._dead_listeners: list[asyncio.Future[EngineDeadError]] = []
         self._closed = False
         self._exit_expected = False
+        self._shutdown_requested = False
         self.engine: EngineHandle = engine or EngineProcess(config, engine_index)
         self._ctx = zmq.Context()
         self.input_socket = self._ctx.socket(zmq.PUSH)
@@ -324,17 +325,26 @@ class AsyncMPClient:
         return await self.call_utility_async("reset_prefix_cache")
 
     # ---- shutdown ---------------------------------------------------------------------------
+    def request_shutdown(self) -> bool:
+        """Ask the engine to exit (SHUTDOWN) without waiting for it, so that several engines stop
+        at the same time; whether it was asked (an engine this client owns, alive)."""
+        if self._closed or not self.engine.owns_engine or not self.engine.is_alive() or self.dead_error is not None:
+            return False
+        if not self._shutdown_requested:
+            try:
+                self.input_socket.send_multipart([RequestType.SHUTDOWN.value, b""], flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                return False
+            self._shutdown_requested = True
+        return True
+
     def shutdown(self) -> None:
         """Stop the engine (SHUTDOWN, then SIGTERM or a kill) and join it; only let go of an engine
         that another process owns."""
         if self._closed:
             return
-        if self.engine.owns_engine and self.engine.is_alive() and self.dead_error is None:
-            try:
-                self.input_socket.send_multipart([RequestType.SHUTDOWN.value, b""], flags=zmq.NOBLOCK)
-                self.engine.join(5)
-            except zmq.ZMQError:
-                pass
+        if self.request_shutdown():
+            self.engine.join(5)
         self._closed = True
         for task in (self._receiver, self._sender):
             if task is not None and not task.done() and not task.get_loop().is_closed():

@@ -132,6 +132,8 @@ class DPAsyncMPClient:
         return all(await self.call_utility_async("reset_prefix_cache"))
 
     def shutdown(self) -> None:
+        for engine in self.engines:  # all exit at once, then each is joined
+            engine.request_shutdown()
         for engine in self.engines:
             engine.shutdown()
         if self._ray_group is not None:
