@@ -19,6 +19,14 @@ from compiled_llm.utils import get_open_port
 START_TIMEOUT_S = 180
 
 
+def is_alive(process: psutil.Process) -> bool:
+    """Running and not a zombie (one whose parent has exited waits for init to reap it)."""
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:  # gone between the two questions
+        return False
+
+
 class RemoteServer:
     def __init__(self, args: list[str], api_key: str | None = None) -> None:
         self.port = get_open_port()
@@ -63,7 +71,7 @@ class RemoteServer:
         raise LookupError("no engine core process under the server")
 
     def children_alive(self) -> list[psutil.Process]:
-        return [p for p in self._children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        return [p for p in self._children if is_alive(p)]
 
     def read_log(self) -> str:
         self.log.flush()
