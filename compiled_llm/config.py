@@ -91,7 +91,8 @@ def describe_cpu_dtype(dtype: torch.dtype) -> str:
     name = str(dtype).removeprefix("torch.")
     forced = os.environ.get(AUTO_CPU_DTYPE_ENV)
     if forced and dtype == auto_cpu_dtype():
-        return f"{name}: {AUTO_CPU_DTYPE_ENV}={forced} (by its flags the CPU would get {'bfloat16' if native else 'float32'})"
+        by_flags = "bfloat16" if native else "float32"
+        return f"{name}: {AUTO_CPU_DTYPE_ENV}={forced} (by its flags the CPU would get {by_flags})"
     if dtype == torch.bfloat16:
         return (f"{name}: the CPU has {native}" if native else
                 f"{name} as asked, but the CPU has no native bf16 (neither AMX nor avx512_bf16): matmuls run "
