@@ -39,7 +39,7 @@ from compiled_llm.messages.engine_core import (
     RequestType,
     UtilityRequest,
 )
-from compiled_llm.utils import exit_without_teardown
+from compiled_llm.utils import exit_without_teardown, freeze_gc_heap
 
 logger = init_logger(__name__)
 
@@ -317,6 +317,7 @@ def start_engine_core(
 def serve_engine_core(proc: EngineCoreProc) -> int:
     """Run the busy loop until SHUTDOWN (or a signal); returns the exit code."""
     exit_code = 0
+    freeze_gc_heap()  # the model and its compiled code are made: no collection walks them again
     try:
         proc.run_busy_loop()
     except SystemExit:

@@ -49,6 +49,7 @@ from compiled_llm.entrypoints.openai.serving_engine import ServingOptions
 from compiled_llm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from compiled_llm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from compiled_llm.logger import init_logger
+from compiled_llm.utils import freeze_gc_heap
 
 logger = init_logger(__name__)
 
@@ -134,6 +135,7 @@ def build_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
+        freeze_gc_heap()  # the tokenizer, templates and routes are made: no collection walks them again
         watch = asyncio.create_task(_exit_when_engine_dies(engine, on_engine_dead)) if on_engine_dead else None
         try:
             yield
