@@ -85,6 +85,19 @@ class RequestModel(OpenAIBaseModel):
         """Fields unknown to OpenAI's and vLLM's APIs alike (logged, then ignored)."""
         return sorted(name[:64] for name in (self.model_extra or {}) if name not in self.REFUSED)
 
+    def __getattr__(self, name: str) -> Any:
+        # pydantic hands out an undeclared field's raw JSON as an attribute; a check reading it
+        # would take a client's list for the number it expects (a 500). What any code reads must be
+        # a declared, typed field; the others are only ever compared, by `refused_field`.
+        try:
+            extra = object.__getattribute__(self, "__pydantic_extra__")
+        except AttributeError:
+            extra = None
+        if extra and name in extra:
+            raise AttributeError(f"{type(self).__name__} has no field {name!r} (it was sent, but is not declared: "
+                                 "declare it, typed, to read it)")
+        return super().__getattr__(name)
+
 
 # ---- errors -----------------------------------------------------------------------------------
 class ErrorInfo(OpenAIBaseModel):
@@ -170,6 +183,9 @@ class SamplingRequest(RequestModel):
 
     model: str | None = None
     n: NonNegInt64 | None = 1
+    # Completions' (older vLLM chat requests carried it too): any value but n's is refused, as
+    # there is no best-of selection here. Declared on chat too, so that it is never read untyped.
+    best_of: NonNegInt64 | None = None
     temperature: float | None = None
     top_p: float | None = None
     presence_penalty: float | None = None
@@ -219,6 +235,8 @@ class SamplingRequest(RequestModel):
             return "stream_options can only be set when stream is true."
         if self.prompt_logprobs is not None and self.stream and self.prompt_logprobs != 0:
             return "prompt_logprobs are not available when stream is true."
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            return "best_of other than n is not supported."
         if self.truncate_prompt_tokens == 0:
             return "truncate_prompt_tokens must be -1 (the model's context) or at least 1."
         return None
@@ -242,14 +260,11 @@ class CompletionRequest(SamplingRequest):
     logprobs: LogprobsCount | None = None
     echo: bool | None = False
     suffix: str | None = None
-    best_of: NonNegInt64 | None = None
     add_special_tokens: bool = True  # vLLM's extra
 
     def unsupported(self) -> str | None:
         if self.suffix:
             return "suffix is not supported."
-        if self.best_of is not None and self.best_of != (self.n or 1):
-            return "best_of other than n is not supported."
         return super().unsupported()
 
     @property

@@ -85,8 +85,7 @@ class OpenAIServing:
         problem = request.unsupported()
         if problem is not None:
             raise OpenAIError(problem)
-        for name in ("n", "best_of"):
-            value = getattr(request, name, None)
+        for name, value in (("n", request.n), ("best_of", request.best_of)):
             if value is not None and value > self.options.max_n:
                 raise OpenAIError(
                     f"{name} must be at most {self.options.max_n} (the server's --max-n), got {value}.", param=name
