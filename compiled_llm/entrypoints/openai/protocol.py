@@ -9,10 +9,11 @@ server acts on).
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Annotated, Any, ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from compiled_llm.utils import random_uuid
 
@@ -24,6 +25,10 @@ NonNegInt64 = Annotated[int, Field(ge=0, le=INT64_MAX)]
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 # A logprobs count: -1 is vLLM's "the whole vocabulary" (allowed up to --max-logprobs).
 LogprobsCount = Annotated[int, Field(ge=-1, le=INT64_MAX)]
+# Likewise a sampling knob must fit the float32 the sampler holds it in: a bigger one (1e39) is
+# infinity there, which NaNs the logits (pydantic refuses NaN and Infinity themselves).
+FLOAT32_MAX = 3.4028234663852886e38
+Float32 = Annotated[float, Field(ge=-FLOAT32_MAX, le=FLOAT32_MAX)]
 LOGIT_BIAS_LIMIT = 100.0
 
 
@@ -47,6 +52,40 @@ def first_unencodable(value: Any, path: str = "") -> str | None:
             if found:
                 return found
     return None
+
+
+def first_unbounded_number(value: Any, path: str = "") -> str | None:
+    """The path of the first number in free-form JSON that is no 64-bit integer or finite float."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return None if INT64_MIN <= value <= INT64_MAX else (path or "value")
+    if isinstance(value, float):
+        return None if math.isfinite(value) else (path or "value")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found = first_unbounded_number(item, f"{path}.{key}" if path else str(key))
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = first_unbounded_number(item, f"{path}[{i}]")
+            if found:
+                return found
+    return None
+
+
+def _bounded_json(value: Any) -> Any:
+    found = first_unbounded_number(value)
+    if found is not None:
+        raise ValueError(f"{found} must be a 64-bit integer or a finite number")
+    return value
+
+
+# Free-form JSON that reaches the engine (a JSON schema): its numbers must fit the engine's wire
+# format (msgspec: 64-bit integers) and mean something (no NaN or Infinity, which a schema cannot hold).
+JsonObject = Annotated[dict[str, Any], AfterValidator(_bounded_json)]
+JsonSchemaOrText = Annotated[dict[str, Any] | str | None, AfterValidator(_bounded_json)]  # a schema, or its text
 
 
 class OpenAIBaseModel(BaseModel):
@@ -131,7 +170,7 @@ class StreamOptions(OpenAIBaseModel):
 class JsonSchemaFormat(OpenAIBaseModel):
     name: str | None = None
     description: str | None = None
-    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    json_schema: JsonObject | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
@@ -143,7 +182,7 @@ class ResponseFormat(OpenAIBaseModel):
 class StructuredOutputsRequest(OpenAIBaseModel):
     """vLLM's `structured_outputs` object: exactly one of json, json_object, regex, choice, grammar."""
 
-    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_: JsonSchemaOrText = Field(default=None, alias="json")
     json_object: bool | None = None
     regex: str | None = None
     choice: list[str] | None = None
@@ -158,7 +197,8 @@ class StructuredOutputsRequest(OpenAIBaseModel):
 
 def _logit_bias_keys(value: dict[str, float] | None) -> dict[str, float] | None:
     for key, bias in (value or {}).items():
-        if not key.strip().isdigit():
+        # ASCII digits only: str.isdigit also takes "²", which int() does not.
+        if not (key.strip().isascii() and key.strip().isdigit()):
             raise ValueError(f"keys must be token ids (integers, as strings), got {key!r}")
         if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
             raise ValueError(f"values must be in [-100, 100], got {bias} for token {key}")
@@ -186,10 +226,10 @@ class SamplingRequest(RequestModel):
     # Completions' (older vLLM chat requests carried it too): any value but n's is refused, as
     # there is no best-of selection here. Declared on chat too, so that it is never read untyped.
     best_of: NonNegInt64 | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    temperature: Float32 | None = None
+    top_p: Float32 | None = None
+    presence_penalty: Float32 | None = None
+    frequency_penalty: Float32 | None = None
     seed: Int64 | None = None
     stop: str | list[str] | None = None
     stream: bool | None = False
@@ -202,8 +242,8 @@ class SamplingRequest(RequestModel):
     safety_identifier: str | None = None
     # vLLM's extras
     top_k: Int64 | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    min_p: Float32 | None = None
+    repetition_penalty: Float32 | None = None
     ignore_eos: bool = False
     min_tokens: NonNegInt64 = 0
     include_stop_str_in_output: bool = False
@@ -220,7 +260,7 @@ class SamplingRequest(RequestModel):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
     # vLLM's older spellings of structured_outputs
-    guided_json: dict[str, Any] | str | None = None
+    guided_json: JsonSchemaOrText = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
@@ -324,7 +364,7 @@ class ChatMessage(OpenAIBaseModel):
 class FunctionDefinition(OpenAIBaseModel):
     name: str = Field(min_length=1, max_length=256)
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: JsonObject | None = None
     strict: bool | None = None
 
 
