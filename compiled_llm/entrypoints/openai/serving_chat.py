@@ -111,6 +111,22 @@ class OpenAIServingChat(OpenAIServing):
                 "allow them with --trust-request-chat-template.", param="chat_template",
             )
         template_kwargs.pop("tokenize", None)
+        # Keys that name this call's own arguments: as vLLM, chat_template_kwargs may set the
+        # template and the generation prompt; the conversation and the tokenizer's options not.
+        reserved = sorted(set(template_kwargs) & {"messages", "conversation", "add_special_tokens", "self"})
+        if reserved:
+            raise OpenAIError(f"chat_template_kwargs cannot set `{reserved[0]}`.", param="chat_template_kwargs")
+        if "add_generation_prompt" in template_kwargs:
+            add_generation_prompt = template_kwargs.pop("add_generation_prompt")
+            if not isinstance(add_generation_prompt, bool):
+                raise OpenAIError("chat_template_kwargs.add_generation_prompt must be a boolean.",
+                                  param="chat_template_kwargs")
+        if "chat_template" in template_kwargs:
+            given = template_kwargs.pop("chat_template")
+            if not isinstance(given, str) or chat_template is not None:
+                raise OpenAIError("Give the chat template once, as a string: `chat_template` or "
+                                  "chat_template_kwargs.chat_template.", param="chat_template_kwargs")
+            chat_template = given
         if template_kwargs.get("continue_final_message"):
             add_generation_prompt = False
         try:
