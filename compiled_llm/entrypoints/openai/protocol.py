@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Annotated, Any, ClassVar, Literal, Union
+from typing import Annotated, Any, Callable, ClassVar, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
@@ -32,47 +32,54 @@ Float32 = Annotated[float, Field(ge=-FLOAT32_MAX, le=FLOAT32_MAX)]
 LOGIT_BIAS_LIMIT = 100.0
 
 
+def _first_bad_leaf(value: Any, bad: Callable[[Any], bool], path: str, check_keys: bool) -> str | None:
+    """The path of the first leaf (or, with `check_keys`, object key) of free-form JSON that `bad` refuses."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if check_keys and bad(key):
+                return path or "body"
+            found = _first_bad_leaf(item, bad, f"{path}.{key}" if path else str(key), check_keys)
+            if found:
+                return found
+        return None
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _first_bad_leaf(item, bad, f"{path}[{i}]", check_keys)
+            if found:
+                return found
+        return None
+    return (path or "value") if bad(value) else None
+
+
+def _not_unicode(value: Any) -> bool:
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _unbounded(value: Any) -> bool:
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return not INT64_MIN <= value <= INT64_MAX
+    return isinstance(value, float) and not math.isfinite(value)
+
+
 def first_unencodable(value: Any, path: str = "") -> str | None:
     """The path of the first string in `value` that is not valid Unicode (a lone surrogate, which
     JSON's \\uXXXX escapes can express): no tokenizer or UTF-8 encoder can take it."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path or "body"
-        return None
-    if isinstance(value, dict):
-        for key, item in value.items():
-            found = first_unencodable(key, path) or first_unencodable(item, f"{path}.{key}" if path else str(key))
-            if found:
-                return found
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            found = first_unencodable(item, f"{path}[{i}]")
-            if found:
-                return found
-    return None
+    if isinstance(value, str) and not path:
+        return "body" if _not_unicode(value) else None
+    return _first_bad_leaf(value, _not_unicode, path, check_keys=True)
 
 
 def first_unbounded_number(value: Any, path: str = "") -> str | None:
     """The path of the first number in free-form JSON that is no 64-bit integer or finite float."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return None if INT64_MIN <= value <= INT64_MAX else (path or "value")
-    if isinstance(value, float):
-        return None if math.isfinite(value) else (path or "value")
-    if isinstance(value, dict):
-        for key, item in value.items():
-            found = first_unbounded_number(item, f"{path}.{key}" if path else str(key))
-            if found:
-                return found
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            found = first_unbounded_number(item, f"{path}[{i}]")
-            if found:
-                return found
-    return None
+    return _first_bad_leaf(value, _unbounded, path, check_keys=False)
 
 
 def _bounded_json(value: Any) -> Any:
