@@ -83,10 +83,6 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.all_token_ids) - self.num_prompt_tokens
 
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[self.num_prompt_tokens :]
-
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
         if self.num_tokens % self.block_size == 0:

@@ -92,10 +92,6 @@ class Scheduler:
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -68,15 +68,3 @@ def broadcast_from_driver(x: torch.Tensor) -> torch.Tensor:
     if group.world_size > 1:
         dist.broadcast(x, src=0, group=group.group)
     return x
-
-
-def all_reduce_min(value: int) -> int:
-    """The smallest `value` over the group's ranks (a host integer)."""
-    group = tensor_parallel()
-    if group.world_size == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.int64)
-    if dist.get_backend(group.group) == "nccl":
-        t = t.cuda()
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group.group)
-    return int(t.item())

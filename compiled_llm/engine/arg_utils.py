@@ -216,9 +216,6 @@ class EngineArgs:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in vars(args).items() if k in names})
 
-    def to_json(self) -> str:
-        return json.dumps({f.name: getattr(self, f.name) for f in fields(self)})
-
 
 def _scalar_type(hint: Any) -> Any:
     """`int | None` -> int; `bool` -> bool; anything else (lists, dicts) -> str (a `parse` reads it)."""

@@ -21,7 +21,6 @@ import zmq
 import zmq.asyncio
 
 from compiled_llm.config import EngineConfig
-from compiled_llm.core.core_proc import run_utility
 from compiled_llm.core.engine_core import EngineCore
 from compiled_llm.engine.engine_process import EngineHandle, EngineProcess, EngineStartupError
 from compiled_llm.logger import init_logger
@@ -56,12 +55,6 @@ class InprocClient:
 
     def has_unfinished_requests(self) -> bool:
         return self.engine_core.has_unfinished_requests()
-
-    def call_utility(self, method: str, *args: Any) -> Any:
-        _, result, error = run_utility(self.engine_core, UtilityRequest(0, method, list(args)))
-        if error is not None:
-            raise RuntimeError(error)
-        return result
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
