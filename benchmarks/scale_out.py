@@ -5,7 +5,7 @@
   workload's prompts and lengths, greedy, ignore_eos, one response each) at concurrency 8 and 32;
 - tensor parallelism: the offline engine at -tp 2 (two ranks, half the threads each) against -tp 1,
   batch-1 and batch-32 decode, with what the all-reduces cost per step (their wall time in the
-  driver, from the custom op that the compiled pieces call).
+  driver, timed around the custom op that the compiled pieces call, only while decoding here).
 
 Medians of --runs runs. On a 2-core CPU neither is expected to be faster: the point is what each
 costs, and what limits it.
@@ -109,15 +109,14 @@ def bench_tp(model: str | None, threads: int, batches: list[int], runs: int, new
                         engine.add_request(f"tp{tp}-b{batch}-{run}-{i}", {"prompt_token_ids": ids},
                                            SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
                     engine.step()  # the prefill
-                    calls, seconds = communication.all_reduce_stats()
-                    steps, started = 0, time.perf_counter()
-                    while engine.has_unfinished_requests():
-                        engine.step()
-                        steps += 1
-                    elapsed = time.perf_counter() - started
-                    calls2, seconds2 = communication.all_reduce_stats()
+                    with communication.timed_all_reduces() as all_reduces:
+                        steps, started = 0, time.perf_counter()
+                        while engine.has_unfinished_requests():
+                            engine.step()
+                            steps += 1
+                        elapsed = time.perf_counter() - started
                     rates.append(batch * (new_tokens - 1) / elapsed)
-                    reduce_ms.append((seconds2 - seconds) / max(steps, 1) * 1e3)
+                    reduce_ms.append(all_reduces.seconds / max(steps, 1) * 1e3)
                 results[f"tp{tp}_b{batch}"] = statistics.median(rates)
                 results[f"tp{tp}_b{batch}_allreduce_ms_per_step"] = statistics.median(reduce_ms)
                 print(f"  tp={tp} batch {batch}: {results[f'tp{tp}_b{batch}']:.1f} decode tok/s, all-reduce "

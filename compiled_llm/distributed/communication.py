@@ -3,12 +3,16 @@
 `compiled_llm::tp_all_reduce` is a custom op so that Dynamo traces it into the graph as one opaque
 node and Inductor calls it from inside the compiled pieces (no graph break, no split): the row-
 parallel layers' sums happen within the compiled code, and on GPUs within the CUDA graphs. The
-other collectives run outside the model (logits, sampled ids) and are plain calls.
+other collectives run outside the model (logits, sampled ids) and are plain calls. The op times
+nothing unless a benchmark asks, inside `timed_all_reduces`.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -19,27 +23,25 @@ _lib = torch.library.Library("compiled_llm", "FRAGMENT")
 _lib.define("tp_all_reduce(Tensor x) -> Tensor")
 
 
-_stats = [0, 0.0]  # all-reduce calls and their wall seconds in this process (for benchmarks)
-
-
-def all_reduce_stats() -> tuple[int, float]:
-    """How many all-reduces this process made, and the wall time they took (waits included)."""
-    return _stats[0], _stats[1]
-
-
 def _all_reduce(x: torch.Tensor) -> torch.Tensor:
-    started = time.perf_counter()
     out = x.clone()
     group = tensor_parallel()
     if group.world_size > 1:
         dist.all_reduce(out, group=group.group)
-    _stats[0] += 1
-    _stats[1] += time.perf_counter() - started
     return out
 
 
-_lib.impl("tp_all_reduce", _all_reduce, "CPU")
-_lib.impl("tp_all_reduce", _all_reduce, "CUDA")
+# What the op runs: `_all_reduce`, or its timed twin inside `timed_all_reduces` (a kernel cannot be
+# registered twice, so the swap happens behind the registered one).
+_implementation: Callable[[torch.Tensor], torch.Tensor] = _all_reduce
+
+
+def _tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    return _implementation(x)
+
+
+_lib.impl("tp_all_reduce", _tp_all_reduce, "CPU")
+_lib.impl("tp_all_reduce", _tp_all_reduce, "CUDA")
 torch.library.register_fake("compiled_llm::tp_all_reduce", lambda x: torch.empty_like(x), lib=_lib)
 
 
@@ -68,3 +70,37 @@ def broadcast_from_driver(x: torch.Tensor) -> torch.Tensor:
     if group.world_size > 1:
         dist.broadcast(x, src=0, group=group.group)
     return x
+
+
+@dataclass
+class AllReduceTiming:
+    """The all-reduces this process made inside `timed_all_reduces`, and their wall seconds (waits
+    for the other ranks included)."""
+
+    calls: int = 0
+    seconds: float = 0.0
+
+
+@contextmanager
+def timed_all_reduces() -> Iterator[AllReduceTiming]:
+    """Count and time this process's `tp_all_reduce` calls while inside, for benchmarks; outside,
+    the op times nothing.
+
+    Only calls that reach the op's Python kernel are seen: meaningful on CPUs. On CUDA a call times
+    an asynchronous launch, and a CUDA graph replay makes no call at all.
+    """
+    global _implementation
+    timing = AllReduceTiming()
+
+    def timed(x: torch.Tensor) -> torch.Tensor:
+        started = time.perf_counter()
+        out = _all_reduce(x)
+        timing.calls += 1
+        timing.seconds += time.perf_counter() - started
+        return out
+
+    _implementation = timed
+    try:
+        yield timing
+    finally:
+        _implementation = _all_reduce
