@@ -122,8 +122,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from compiled_llm import LLM
-    from compiled_llm.core.structured_outputs import grammar_spec
     from compiled_llm.sampling_params import StructuredOutputsParams
+    from compiled_llm.structured_output_spec import grammar_spec
 
     batches = [int(b) for b in args.batches.split(",")]
     llm = LLM(args.model, optimization_level=args.level, compile_cache=args.compile_cache,

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from compiled_llm.logger import init_logger
-from compiled_llm.utils import atomic_write_bytes, user_cache_dir
+from compiled_llm.utils import UserError, atomic_write_bytes, user_cache_dir
 
 logger = init_logger(__name__)
 
@@ -62,7 +62,7 @@ SIGNATURE_SCHEME = "hmac-sha256"
 WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR}
 
 
-class CompileCacheError(RuntimeError):
+class CompileCacheError(UserError, RuntimeError):
     """A compile cache problem the user can fix; the message is one line that says which."""
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from compiled_llm.compilation.config import CompilationConfig
+from compiled_llm.utils import cpu_flags
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -28,18 +29,6 @@ _DTYPES = {
     "half": torch.float16,
     "fp16": torch.float16,
 }
-
-
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (Linux: /proc/cpuinfo; empty where it cannot be read)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() in ("flags", "Features"):
-                return frozenset(value.split())
-    except OSError:
-        pass
-    return frozenset()
 
 
 def cpu_native_bf16() -> str | None:

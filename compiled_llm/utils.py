@@ -1,4 +1,5 @@
-"""Small helpers shared by several layers: paths, devices, free ports, atomic writes, process exit."""
+"""Small helpers shared by several layers: paths, devices, CPU flags, free ports, atomic writes,
+process exit and the watch on a parent process, optional imports, and the user's errors."""
 
 from __future__ import annotations
 
@@ -6,11 +7,13 @@ import atexit
 import functools
 import gc
 import os
+import signal
 import socket
 import sys
 import tempfile
+from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 
@@ -28,8 +31,25 @@ def user_cache_dir() -> Path:
     return base / "compiled-llm"
 
 
+class UserError(Exception):
+    """A problem the user can fix (a setting, a file, a cache that must be warm): reported in one
+    line, without a traceback, by whichever process meets it."""
+
+
 def default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (Linux: /proc/cpuinfo; empty where it cannot be read)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("flags", "Features"):
+                return frozenset(value.split())
+    except OSError:
+        pass
+    return frozenset()
 
 
 def cdiv(a: int, b: int) -> int:
@@ -71,6 +91,17 @@ def get_open_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def import_ray() -> Any:
+    """The `ray` module, or an ImportError that says how to install it (an optional dependency)."""
+    try:
+        import ray
+    except ImportError as e:
+        raise ImportError(
+            "--distributed-executor-backend ray needs Ray: pip install 'compiled-llm[ray]'"
+        ) from e
+    return ray
+
+
 def random_uuid() -> str:
     import uuid
 
@@ -84,6 +115,17 @@ def freeze_gc_heap() -> None:
     moment the collector picks, under load (vLLM freezes its start-up heap the same way)."""
     gc.collect()
     gc.freeze()
+
+
+def watch_parent_pipe(conn: Connection) -> None:
+    """Block on a pipe from the process that started this one (its start-up pipe); its end of file
+    means that process is gone: exit (SIGTERM to ourselves, so the usual clean-up runs)."""
+    try:
+        while True:
+            conn.recv_bytes()
+    except (EOFError, OSError):
+        pass
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def exit_without_teardown(code: int) -> NoReturn:

@@ -29,8 +29,7 @@ _FLAGS = ["-O3", "-march=native", "-ffp-contract=fast"]
 
 
 def build_dir() -> Path:
-    from compiled_llm.config import cpu_flags
-    from compiled_llm.utils import user_cache_dir
+    from compiled_llm.utils import cpu_flags, user_cache_dir
 
     h = hashlib.sha256(" ".join(_FLAGS).encode() + torch.__version__.encode())
     h.update(" ".join(sorted(cpu_flags())).encode())  # a -march=native build runs only where the CPU has them

@@ -18,7 +18,8 @@ from __future__ import annotations
 import os
 
 from compiled_llm.config import EngineConfig
-from compiled_llm.core.core_proc import EngineCoreProc, Handshake, serve_engine_core, start_engine_core
+from compiled_llm.core.core_proc import EngineCoreProc, serve_engine_core, start_engine_core
+from compiled_llm.messages.engine_core import Handshake
 from compiled_llm.utils import get_open_port
 
 

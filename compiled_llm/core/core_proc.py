@@ -17,7 +17,6 @@ closes, because the client shut down or died, the engine exits too. A Ray actor
 
 from __future__ import annotations
 
-import os
 import queue
 import signal
 import threading
@@ -36,10 +35,11 @@ from compiled_llm.messages.engine_core import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    Handshake,
     RequestType,
     UtilityRequest,
 )
-from compiled_llm.utils import exit_without_teardown, freeze_gc_heap
+from compiled_llm.utils import UserError, exit_without_teardown, freeze_gc_heap, watch_parent_pipe
 
 logger = init_logger(__name__)
 
@@ -50,17 +50,6 @@ UTILITIES: dict[str, Callable[..., Any]] = {
     "ping": lambda engine: "pong",
     "reset_prefix_cache": lambda engine: engine.reset_prefix_cache(),
 }
-
-
-class Handshake(msgspec.Struct, omit_defaults=True):
-    """The engine process's one message on the start-up pipe."""
-
-    ok: bool
-    error: str | None = None
-    num_blocks: int = 0
-    load_seconds: float = 0.0  # model weights
-    kv_seconds: float = 0.0  # KV-cache sizing and allocation
-    startup_seconds: float = 0.0  # the whole EngineCore construction, compile or warm-up included
 
 
 def run_utility(engine: EngineCore, request: UtilityRequest) -> tuple[int, Any, str | None]:
@@ -278,17 +267,6 @@ def _exit_on_signal(signum: int, frame: Any) -> None:
     raise SystemExit(0)
 
 
-def watch_parent_pipe(conn: Connection) -> None:
-    """Block on a pipe from the process that started this one (its start-up pipe); its end of file
-    means that process is gone: exit (SIGTERM to ourselves, so the usual clean-up runs)."""
-    try:
-        while True:
-            conn.recv_bytes()
-    except (EOFError, OSError):
-        pass
-    os.kill(os.getpid(), signal.SIGTERM)
-
-
 def start_engine_core(
     config: EngineConfig, input_address: str, output_address: str | list[str], engine_index: int = 0
 ) -> tuple[EngineCoreProc | None, Handshake]:
@@ -299,16 +277,14 @@ def start_engine_core(
     except SystemExit:
         raise
     except BaseException as e:
-        from compiled_llm.compilation.compile_cache import CompileCacheError
-
-        if not isinstance(e, CompileCacheError):  # the user's to fix: the frontend says it in one line
+        if not isinstance(e, UserError):  # the user's to fix: the frontend says it in one line
             logger.exception("Engine core failed to start.")
         return None, Handshake(ok=False, error=f"{type(e).__name__}: {e}")
     proc = EngineCoreProc(engine, input_address, output_address, engine_index)
     return proc, Handshake(
         ok=True,
         num_blocks=config.cache_config.num_blocks or 0,
-        load_seconds=engine.runner.load_seconds,
+        load_seconds=engine.executor.load_seconds,
         kv_seconds=engine.kv_seconds,
         startup_seconds=engine.startup_seconds,
     )

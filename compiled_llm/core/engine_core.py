@@ -22,11 +22,11 @@ from compiled_llm.config import EngineConfig
 from compiled_llm.core.request import Request
 from compiled_llm.core.scheduler import Scheduler
 from compiled_llm.core.structured_outputs.manager import StructuredOutputManager
-from compiled_llm.core.structured_outputs.spec import grammar_spec
 from compiled_llm.executor import make_executor
 from compiled_llm.logger import init_logger
 from compiled_llm.messages.engine_core import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from compiled_llm.messages.scheduler_output import SchedulerOutput
+from compiled_llm.structured_output_spec import grammar_spec
 from compiled_llm.worker.model_runner import ModelRunner
 from compiled_llm.worker.step_output import StepOutput
 

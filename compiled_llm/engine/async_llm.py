@@ -16,7 +16,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncGenerator, Callable, Iterable
 
 from compiled_llm.config import EngineConfig
-from compiled_llm.core.structured_outputs.spec import GRAMMAR_TIME_LIMIT_S, validate_structured_outputs
 from compiled_llm.engine.arg_utils import EngineArgs
 from compiled_llm.engine.chat_templates import ChatTemplateRenderer
 from compiled_llm.engine.core_client import AsyncMPClient, EngineDeadError
@@ -30,6 +29,7 @@ from compiled_llm.logger import init_logger
 from compiled_llm.messages.engine_core import EngineCoreOutput
 from compiled_llm.outputs import RequestOutput
 from compiled_llm.sampling_params import RequestOutputKind, SamplingParams
+from compiled_llm.structured_output_spec import GRAMMAR_TIME_LIMIT_S, validate_structured_outputs
 
 logger = init_logger(__name__)
 

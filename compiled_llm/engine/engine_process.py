@@ -22,8 +22,9 @@ from typing import Any, Protocol
 import msgspec
 
 from compiled_llm.config import EngineConfig
-from compiled_llm.core.core_proc import Handshake, run_engine_core
+from compiled_llm.core.core_proc import run_engine_core
 from compiled_llm.logger import init_logger
+from compiled_llm.messages.engine_core import Handshake
 
 logger = init_logger(__name__)
 

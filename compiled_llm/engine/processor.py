@@ -7,9 +7,9 @@ from functools import cached_property
 from typing import Any, Union
 
 from compiled_llm.config import ModelConfig
-from compiled_llm.core.structured_outputs.spec import validate_structured_outputs
 from compiled_llm.messages.engine_core import EngineCoreRequest
 from compiled_llm.sampling_params import SamplingParams
+from compiled_llm.structured_output_spec import validate_structured_outputs
 
 # A prompt: text, token ids, or vLLM's dict forms.
 PromptType = Union[str, list[int], dict[str, Any]]

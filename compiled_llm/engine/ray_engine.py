@@ -20,10 +20,10 @@ from typing import Any
 
 from compiled_llm.config import EngineConfig
 from compiled_llm.core.core_actor import EngineCoreActor
-from compiled_llm.core.core_proc import Handshake
 from compiled_llm.engine.engine_process import EngineStartupError
-from compiled_llm.executor.ray_executor import _import_ray
 from compiled_llm.logger import init_logger
+from compiled_llm.messages.engine_core import Handshake
+from compiled_llm.utils import import_ray
 
 logger = init_logger(__name__)
 
@@ -130,7 +130,7 @@ class RayEngineGroup:
     """The placement group and the engine actors of one data-parallel group."""
 
     def __init__(self, config: EngineConfig) -> None:
-        ray = _import_ray()
+        ray = import_ray()
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

@@ -75,6 +75,18 @@ class RequestType(bytes, enum.Enum):
     SHUTDOWN = b"\x03"
 
 
+class Handshake(msgspec.Struct, omit_defaults=True):
+    """The engine core's one message at start-up (on its start-up pipe, or a Ray actor's return
+    value): ready, or the start-up error in words."""
+
+    ok: bool
+    error: str | None = None
+    num_blocks: int = 0
+    load_seconds: float = 0.0  # model weights
+    kv_seconds: float = 0.0  # KV-cache sizing and allocation
+    startup_seconds: float = 0.0  # the whole EngineCore construction, compile or warm-up included
+
+
 class UtilityRequest(msgspec.Struct, array_like=True):
     call_id: int
     method: str

@@ -10,9 +10,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from compiled_llm.core.structured_outputs import GrammarCompilerPool, grammar_spec, validate_structured_outputs
+from compiled_llm.core.structured_outputs import GrammarCompilerPool
 from compiled_llm.sampling_params import SamplingParams
 from compiled_llm.sampling_params import StructuredOutputsParams as SO
+from compiled_llm.structured_output_spec import grammar_spec, validate_structured_outputs
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name", "age"]}
@@ -113,7 +114,7 @@ def nested_objects(depth: int) -> dict:
 
 def test_a_schema_nested_past_the_limit_is_refused_before_xgrammar_parses_it():
     """Issue 21: 400 nested objects took xgrammar 12 s to parse and as long again to compile."""
-    from compiled_llm.core.structured_outputs.spec import MAX_JSON_SCHEMA_DEPTH
+    from compiled_llm.structured_output_spec import MAX_JSON_SCHEMA_DEPTH
 
     assert validate_structured_outputs(SO(json=nested_objects(MAX_JSON_SCHEMA_DEPTH - 1))) is not None
     for depth in (MAX_JSON_SCHEMA_DEPTH + 1, 400):

@@ -103,7 +103,7 @@ def test_constraints_hold_on_the_bundled_model_greedy_and_sampled(llm):
 def in_grammar_prefix(core, constraint: SO, text: str) -> bool:
     import xgrammar as xgr
 
-    from compiled_llm.core.structured_outputs import grammar_spec
+    from compiled_llm.structured_output_spec import grammar_spec
 
     compiled = core.structured_outputs.compilers.compile(grammar_spec(constraint)).future.result(timeout=60)
     return xgr.GrammarMatcher(compiled).accept_string(text)

@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from compiled_llm.core.structured_outputs.spec import GrammarSpec, check_spec
+from compiled_llm.structured_output_spec import GrammarSpec, check_spec
 
 if TYPE_CHECKING:
     import xgrammar as xgr

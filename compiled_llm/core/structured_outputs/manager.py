@@ -16,7 +16,7 @@ from compiled_llm.config import ModelConfig
 from compiled_llm.core.request import Request
 from compiled_llm.core.structured_outputs.compiler import GrammarCompilerPool, GrammarJob
 from compiled_llm.core.structured_outputs.grammar import RequestGrammar, bitmask_width, fill_grammar_bitmask
-from compiled_llm.core.structured_outputs.spec import GRAMMAR_TIME_LIMIT_S, grammar_spec, xgrammar_message
+from compiled_llm.structured_output_spec import GRAMMAR_TIME_LIMIT_S, grammar_spec, xgrammar_message
 
 
 class StructuredOutputManager:

@@ -32,12 +32,12 @@ import time
 from typing import Any
 
 from compiled_llm.config import EngineConfig
-from compiled_llm.core.core_proc import Handshake, watch_parent_pipe
 from compiled_llm.engine.arg_utils import EngineArgs
 from compiled_llm.engine.engine_process import AttachedEngine, EngineProcess, EngineStartupError
 from compiled_llm.engine.metrics import GROUP_METRICS_ENV
 from compiled_llm.logger import init_logger
-from compiled_llm.utils import exit_without_teardown
+from compiled_llm.messages.engine_core import Handshake
+from compiled_llm.utils import exit_without_teardown, watch_parent_pipe
 
 logger = init_logger(__name__)
 

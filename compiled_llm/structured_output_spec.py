@@ -5,6 +5,10 @@ text with other spacing is one spec (key order is kept: it is the order of the o
 properties), and a choice list is an EBNF grammar of its literals. Validation parses the
 constraint with xgrammar (no tokenizer, no compilation: cheap), so that a bad schema, regex or
 grammar is refused with xgrammar's reason before the request reaches the engine.
+
+It sits beside `sampling_params` rather than in `core/structured_outputs/`: the frontend validates
+with it and the engine core keys its grammars by it, so both import it and neither reaches into
+the other.
 """
 
 from __future__ import annotations
