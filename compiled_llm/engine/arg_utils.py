@@ -5,7 +5,9 @@ Each field's default is stated once: a setting that has one fixed default takes 
 config class (`CacheConfig.block_size`); a setting whose default depends on the device or on
 other settings is None here ("auto") and is resolved in `create_engine_config`, after which every
 config holds concrete values only. The flags are generated from the fields (name, type, help),
-as vLLM builds its own from its `EngineArgs`, so a new setting is one field.
+as vLLM builds its own from its `EngineArgs`, so a new setting is one field. The same machinery
+(`flag`, `setting`, `CliArgs`) builds the server's flags from `ServerArgs`
+(entrypoints/openai/server_args.py).
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ import argparse
 import json
 import types
 import typing
-from dataclasses import MISSING, dataclass, field, fields
-from typing import Any, Callable
+from dataclasses import MISSING, Field, dataclass, field, fields
+from typing import Any, Callable, TypeVar
 
 from compiled_llm.compilation.config import CompilationConfig, CUDAGraphMode
 from compiled_llm.config import (
@@ -50,6 +52,19 @@ def parse_pass_names(text: str) -> list[str]:
     return [] if names == ["none"] else names
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+# The help group of developer knobs (compiler internals, CUDA graphs, test weights): listed after
+# every other group, so that `--help` shows what most users set first.
+ADVANCED = "advanced"
+_GROUP_DESCRIPTIONS = {ADVANCED: "Developer knobs: the defaults are what serving wants."}
+
+
 def flag(help: str, *, group: str = "engine", short: str | None = None, choices: Any = None,
          parse: Callable[[str], Any] | None = None, metavar: str | None = None) -> dict[str, Any]:
     """A field's command-line flag: `--field-name` (and `short`), typed from its annotation unless
@@ -57,73 +72,124 @@ def flag(help: str, *, group: str = "engine", short: str | None = None, choices:
     return {"help": help, "group": group, "short": short, "choices": choices, "parse": parse, "metavar": metavar}
 
 
-def _setting(default: Any, *args: Any, **kwargs: Any) -> Any:
+def setting(default: Any, *args: Any, **kwargs: Any) -> Any:
+    """A dataclass field with its default and its flag (the arguments of `flag`)."""
     return field(default=default, metadata=flag(*args, **kwargs))
 
 
+def add_cli_args(parser: argparse.ArgumentParser, *settings: type) -> argparse.ArgumentParser:
+    """One flag per field of each settings dataclass (`--max-num-seqs` for `max_num_seqs`), in help
+    groups named by the fields' `group`, in the order the groups first appear, the advanced group
+    last."""
+    entries = [(f, typing.get_type_hints(cls)[f.name]) for cls in settings for f in fields(cls)]
+    names = list(dict.fromkeys(f.metadata["group"] for f, _ in entries if not f.metadata.get("positional")))
+    names.sort(key=lambda name: name == ADVANCED)
+    groups = {name: parser.add_argument_group(name, _GROUP_DESCRIPTIONS.get(name)) for name in names}
+    for f, hint in entries:
+        if f.metadata.get("positional"):
+            parser.add_argument(f.name, nargs="?", default=None, help=f.metadata["help"])
+        else:
+            _add_flag(groups[f.metadata["group"]], f, hint)
+    return parser
+
+
+def _add_flag(group: Any, f: Field[Any], hint: Any) -> None:
+    meta = f.metadata
+    names = [f"--{f.name.replace('_', '-')}"] + ([meta["short"]] if meta["short"] else [])
+    default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+    kwargs: dict[str, Any] = {"dest": f.name, "default": default, "help": meta["help"]}
+    if meta["metavar"]:
+        kwargs["metavar"] = meta["metavar"]
+    kind = _scalar_type(hint)
+    if kind is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction
+    else:
+        kwargs["type"] = meta["parse"] or kind
+        if meta["choices"] is not None:
+            kwargs["choices"] = list(meta["choices"])
+    group.add_argument(*names, **kwargs)
+
+
+Args = TypeVar("Args", bound="CliArgs")
+
+
+class CliArgs:
+    """A settings dataclass whose fields are command-line flags (see `add_cli_args`)."""
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        return add_cli_args(parser, cls)
+
+    @classmethod
+    def from_cli_args(cls: type[Args], args: argparse.Namespace) -> Args:
+        """The fields' values from parsed flags (a Namespace may hold other classes' flags too)."""
+        names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
 @dataclass
-class EngineArgs:
+class EngineArgs(CliArgs):
     model: str | None = field(default=None, metadata={"positional": True, "help": (
         "Hugging Face model folder (default: the bundled SmolLM2-135M-Instruct).")})
-    served_model_name: str | None = _setting(None, "The model's name in the API (default: the folder's name).")
-    dtype: str = _setting("auto", "auto: bf16 on a CPU with native bf16 (AMX or avx512_bf16), else float32; on a "
-                                  "GPU the checkpoint's. The choice and its reason are logged at start-up.",
-                          choices=["auto", "float32", "bfloat16", "float16"])
-    device: str | None = _setting(None, "cpu or cuda (default: cuda when available).")
-    seed: int = _setting(0, "Seed of the engine's random state.")
-    max_model_len: int | None = _setting(None, "Longest sequence, prompt and output (default: the model's).")
-    max_logprobs: int = _setting(ModelConfig.max_logprobs, "The most logprobs a request may ask for.")
-    load_format: str = _setting(ModelConfig.load_format, "auto: the folder's weights; dummy: random ones.",
-                                choices=["auto", "dummy"])
-    max_num_seqs: int | None = _setting(None, "Most requests in one step (default: 128 on a CPU, 256 on a GPU).")
-    max_num_batched_tokens: int | None = _setting(
+    served_model_name: str | None = setting(None, "The model's name in the API (default: the folder's name).")
+    dtype: str = setting("auto", "auto: bf16 on a CPU with native bf16 (AMX or avx512_bf16), else float32; on a "
+                                 "GPU the checkpoint's. The choice and its reason are logged at start-up.",
+                         choices=["auto", "float32", "bfloat16", "float16"])
+    device: str | None = setting(None, "cpu or cuda (default: cuda when available).")
+    seed: int = setting(0, "Seed of the engine's random state.")
+    max_model_len: int | None = setting(None, "Longest sequence, prompt and output (default: the model's).")
+    max_logprobs: int = setting(ModelConfig.max_logprobs, "The most logprobs a request may ask for.")
+    load_format: str = setting(ModelConfig.load_format, "auto: the folder's weights; dummy: random ones.",
+                               group=ADVANCED, choices=["auto", "dummy"])
+    max_num_seqs: int | None = setting(None, "Most requests in one step (default: 128 on a CPU, 256 on a GPU).")
+    max_num_batched_tokens: int | None = setting(
         None, "Most tokens in one step (default: 2048 on a CPU, 8192 on a GPU).")
-    scheduling_policy: str = _setting(SchedulerConfig.policy, "fcfs: arrival order; priority: a request's "
-                                      "`priority` (lower first), preempting lower ones.", choices=SCHEDULING_POLICIES)
-    async_scheduling: bool | None = _setting(
-        None, "Schedule the next step while the device runs this one (default: on a GPU; a CPU gains nothing).")
-    block_size: int = _setting(CacheConfig.block_size, "Tokens per KV-cache block.")
-    enable_prefix_caching: bool = _setting(CacheConfig.enable_prefix_caching, "Reuse the KV cache of shared prefixes.")
-    kv_cache_memory_bytes: int | None = _setting(
+    scheduling_policy: str = setting(SchedulerConfig.policy, "fcfs: arrival order; priority: a request's "
+                                     "`priority` (lower first), preempting lower ones.", choices=SCHEDULING_POLICIES)
+    async_scheduling: bool | None = setting(
+        None, "Schedule the next step while the device runs this one (default: on a GPU; a CPU gains nothing).",
+        group=ADVANCED)
+    block_size: int = setting(CacheConfig.block_size, "Tokens per KV-cache block.")
+    enable_prefix_caching: bool = setting(CacheConfig.enable_prefix_caching, "Reuse the KV cache of shared prefixes.")
+    kv_cache_memory_bytes: int | None = setting(
         None, "KV-cache size (default: measured on a GPU, up to 2 GiB and a fifth of free memory on a CPU).")
-    gpu_memory_utilization: float = _setting(CacheConfig.gpu_memory_utilization,
-                                             "Share of the GPU's memory this engine may use.")
-    num_threads: int | None = _setting(None, "CPU threads of each engine process (default: COMPILED_LLM_NUM_THREADS, "
-                                             "else the cores this process may use, shared out over the ranks).")
-    tensor_parallel_size: int = _setting(ParallelConfig.tensor_parallel_size,
-                                         "Ranks that split the model (one process each; gloo on CPUs, NCCL on GPUs).",
-                                         group="parallel", short="-tp")
-    data_parallel_size: int = _setting(ParallelConfig.data_parallel_size,
-                                       "Engines behind the server, each a full copy of the model.",
-                                       group="parallel", short="-dp")
-    distributed_executor_backend: str = _setting(
+    gpu_memory_utilization: float = setting(CacheConfig.gpu_memory_utilization,
+                                            "Share of the GPU's memory this engine may use.")
+    num_threads: int | None = setting(None, "CPU threads of each engine process (default: COMPILED_LLM_NUM_THREADS, "
+                                            "else the cores this process may use, shared out over the ranks).")
+    tensor_parallel_size: int = setting(ParallelConfig.tensor_parallel_size,
+                                        "Ranks that split the model (one process each; gloo on CPUs, NCCL on GPUs).",
+                                        group="parallel", short="-tp")
+    data_parallel_size: int = setting(ParallelConfig.data_parallel_size,
+                                      "Engines behind the server, each a full copy of the model.",
+                                      group="parallel", short="-dp")
+    distributed_executor_backend: str = setting(
         ParallelConfig.distributed_executor_backend, "mp: local processes; ray: Ray actors (placement groups, which "
         "may span the nodes of a Ray cluster).", group="parallel", choices=EXECUTOR_BACKENDS)
-    optimization_level: int | None = _setting(
+    optimization_level: int | None = setting(
         None, "0 eager, 1 compiled pieces, 2 pieces + CUDA graphs (default: 1 on a CPU, 2 on a GPU).",
         group="compilation", short="-O", choices=[0, 1, 2])
-    compile_cache: str | None = _setting(None, "Compile cache folder (default: under the user cache).",
-                                         group="compilation", metavar="DIR")
-    compile_ranges: list[tuple[int, int]] | None = _setting(
+    compile_cache: str | None = setting(None, "Compile cache folder (default: under the user cache).",
+                                        group="compilation", metavar="DIR")
+    compile_ranges: list[tuple[int, int]] | None = setting(
         None, "Token-count ranges compiled symbolically, e.g. 1-64,65-2048 (default: one range to "
         "max_num_batched_tokens).", group="compilation", parse=parse_ranges)
     compile_sizes: list[int] = field(default_factory=list, metadata=flag(
         "Token counts compiled for their exact shape, e.g. 1,2,4,8.", group="compilation", parse=parse_sizes))
-    require_cache_hit: bool = _setting(False, "Fail instead of compiling when the compile cache misses.",
-                                       group="compilation")
-    cudagraph_mode: str | None = _setting(None, "CUDA-graph mode (default: full_and_piecewise at -O2 on a GPU).",
-                                          group="compilation", choices=[m.name.lower() for m in CUDAGraphMode])
-    cudagraph_capture_sizes: list[int] | None = _setting(None, "Token counts captured as CUDA graphs.",
-                                                         group="compilation", parse=parse_sizes)
-    inductor_options: dict | None = _setting(
+    require_cache_hit: bool = setting(False, "Fail instead of compiling when the compile cache misses.",
+                                      group="compilation")
+    cudagraph_mode: str | None = setting(None, "CUDA-graph mode (default: full_and_piecewise at -O2 on a GPU).",
+                                         group=ADVANCED, choices=[m.name.lower() for m in CUDAGraphMode])
+    cudagraph_capture_sizes: list[int] | None = setting(None, "Token counts captured as CUDA graphs.",
+                                                        group=ADVANCED, parse=parse_sizes)
+    inductor_options: dict | None = setting(
         None, 'Inductor config patches as JSON, e.g. \'{"cpp_wrapper": true}\' (default: tuned per device).',
-        group="compilation", parse=json.loads)
-    compile_passes: list[str] | None = _setting(
+        group=ADVANCED, parse=json.loads)
+    compile_passes: list[str] | None = setting(
         None, "Compiler fusion passes, comma-separated, or 'none' (default: all, each fusing where its pattern "
         "occurs): rotary_attention (the rotary embedding inside the attention op's KV-cache write), "
-        "silu_mul_linear (SwiGLU's gate inside the CPU down projection).", group="compilation",
-        parse=parse_pass_names)
-    cache_signing_key_file: str | None = _setting(
+        "silu_mul_linear (SwiGLU's gate inside the CPU down projection).", group=ADVANCED, parse=parse_pass_names)
+    cache_signing_key_file: str | None = setting(
         None, "File holding a secret key (16+ bytes): precompile signs the compile cache entry with it and a "
         "start refuses an entry not signed with it, before loading any of it.", group="compilation")
 
@@ -180,41 +246,6 @@ class EngineArgs:
     def _cpu_threads_per_rank(self) -> int:
         """The machine's threads shared out over every rank of every engine."""
         return max(1, default_num_threads() // (self.tensor_parallel_size * self.data_parallel_size))
-
-    # ---- command line ---------------------------------------------------------------------------
-    @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser, with_model: bool = True) -> argparse.ArgumentParser:
-        """One flag per field (`--max-num-seqs` for `max_num_seqs`), grouped as the help shows them."""
-        hints = typing.get_type_hints(cls)
-        groups: dict[str, Any] = {}
-        for f in fields(cls):
-            meta = f.metadata
-            if meta.get("positional"):
-                if with_model:
-                    parser.add_argument(f.name, nargs="?", default=None, help=meta["help"])
-                continue
-            if meta["group"] not in groups:
-                groups[meta["group"]] = parser.add_argument_group(meta["group"])
-            group = groups[meta["group"]]
-            names = [f"--{f.name.replace('_', '-')}"] + ([meta["short"]] if meta["short"] else [])
-            default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
-            kwargs: dict[str, Any] = {"dest": f.name, "default": default, "help": meta["help"]}
-            if meta["metavar"]:
-                kwargs["metavar"] = meta["metavar"]
-            kind = _scalar_type(hints[f.name])
-            if kind is bool:
-                kwargs["action"] = argparse.BooleanOptionalAction
-            else:
-                kwargs["type"] = meta["parse"] or kind
-                if meta["choices"] is not None:
-                    kwargs["choices"] = list(meta["choices"])
-            group.add_argument(*names, **kwargs)
-        return parser
-
-    @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in vars(args).items() if k in names})
 
 
 def _scalar_type(hint: Any) -> Any:

@@ -9,7 +9,6 @@ fail, /health answers 503, and the server exits with status 1 so that a supervis
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import secrets
 import signal
@@ -43,11 +42,10 @@ from compiled_llm.entrypoints.openai.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from compiled_llm.entrypoints.openai.server_args import ServerArgs
 from compiled_llm.entrypoints.openai.serving_chat import OpenAIServingChat
 from compiled_llm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from compiled_llm.entrypoints.openai.serving_engine import ServingOptions
 from compiled_llm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
-from compiled_llm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from compiled_llm.logger import init_logger
 from compiled_llm.utils import freeze_gc_heap
 
@@ -124,11 +122,7 @@ async def _exit_when_engine_dies(engine: AsyncLLM, on_engine_dead: Callable[[], 
 
 
 def build_app(
-    engine: AsyncLLM,
-    api_key: str | None = None,
-    on_engine_dead: Callable[[], None] | None = None,
-    options: ServingOptions | None = None,
-    max_request_body_bytes: int | None = None,
+    engine: AsyncLLM, server_args: ServerArgs, on_engine_dead: Callable[[], None] | None = None
 ) -> FastAPI:
     name = engine.model_config.served_model_name
 
@@ -147,12 +141,13 @@ def build_app(
 
     app = FastAPI(title="compiled-llm", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes or default_max_body_bytes(engine))
-    completions = OpenAIServingCompletion(engine, name, options)
-    chat = OpenAIServingChat(engine, name, options)
-    tokenization = OpenAIServingTokenization(engine, name, options)
+    if server_args.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=server_args.api_key)
+    max_body_bytes = server_args.max_request_body_bytes or default_max_body_bytes(engine)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)
+    completions = OpenAIServingCompletion(engine, name, server_args)
+    chat = OpenAIServingChat(engine, name, server_args)
+    tokenization = OpenAIServingTokenization(engine, name, server_args)
 
     @app.get("/health")
     async def health() -> Response:
@@ -218,10 +213,7 @@ async def _announce_when_ready(server: uvicorn.Server, engine: AsyncLLM, url: st
     logger.info("Ready: serving %s at %s/v1", engine.model_config.served_model_name, url)
 
 
-async def serve_http(
-    engine: AsyncLLM, host: str, port: int, api_key: str | None, options: ServingOptions | None = None,
-    max_request_body_bytes: int | None = None, sock: socket.socket | None = None,
-) -> None:
+async def serve_http(engine: AsyncLLM, server_args: ServerArgs, sock: socket.socket | None = None) -> None:
     """Serve until told to exit; on `sock` (bound already, maybe shared with other API server
     processes) instead of binding `host:port`."""
     loop = asyncio.get_running_loop()
@@ -231,7 +223,8 @@ async def serve_http(
         assert server is not None
         server.should_exit = True
 
-    app = build_app(engine, api_key, on_engine_dead, options, max_request_body_bytes)
+    app = build_app(engine, server_args, on_engine_dead)
+    host, port = server_args.host, server_args.port
     config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
     server = _Server(config, engine, loop)
     announce = asyncio.create_task(_announce_when_ready(server, engine, f"http://{host}:{port}"))
@@ -261,43 +254,25 @@ def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
     return uvloop.new_event_loop
 
 
-def check_server_args(args: argparse.Namespace) -> bool:
-    """The server flags' own consistency (the engine's are checked when its config is built)."""
-    if args.enable_auto_tool_choice and not args.tool_call_parser:
-        logger.error("--enable-auto-tool-choice needs --tool-call-parser (one of %s).", ", ".join(TOOL_PARSERS))
-        return False
-    return True
-
-
-def run_server(args: argparse.Namespace) -> int:
-    """`compiled-llm serve`: 0 after a clean shutdown, 1 when the engine failed to start or died."""
-    if getattr(args, "api_server_count", 1) > 1:
-        from compiled_llm.entrypoints.openai.api_server_group import run_api_server_group
-
-        return run_api_server_group(args)
+def run_server(server_args: ServerArgs, engine_args: EngineArgs) -> int:
+    """`compiled-llm serve` with one API server process: 0 after a clean shutdown, 1 when the
+    engine failed to start or died."""
     # Until uvicorn installs its own handlers, SIGTERM unwinds like Ctrl-C, so the engine is joined.
     signal.signal(signal.SIGTERM, raise_keyboard_interrupt)
-    if not check_server_args(args):
-        return 1
     try:
-        engine = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args), args.engine_timeout, args.stream_interval)
+        engine = AsyncLLM.from_engine_args(engine_args, server_args.engine_timeout, server_args.stream_interval)
     except (EngineStartupError, ValueError, OSError) as e:  # a bad model folder or setting, said plainly
         logger.error("%s", e)
         return 1
-    return serve_engine(engine, args)
+    return serve_engine(engine, server_args)
 
 
-def serve_engine(engine: AsyncLLM, args: argparse.Namespace, sock: socket.socket | None = None) -> int:
+def serve_engine(engine: AsyncLLM, server_args: ServerArgs, sock: socket.socket | None = None) -> int:
     """Serve HTTP in front of a started engine until a signal or the engine's death; 0 after a
     clean shutdown, 1 when the engine died."""
     try:
-        options = ServingOptions(
-            max_n=args.max_n, trust_request_chat_template=args.trust_request_chat_template,
-            enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-        )
         with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
-            runner.run(serve_http(engine, args.host, args.port, args.api_key, options, args.max_request_body_bytes,
-                                  sock))
+            runner.run(serve_http(engine, server_args, sock))
     except KeyboardInterrupt:
         pass  # the signal uvicorn re-raises after its graceful shutdown
     finally:

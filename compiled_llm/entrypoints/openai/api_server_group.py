@@ -18,7 +18,7 @@ one server does when its engine dies, so that whatever supervises `serve` restar
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -33,8 +33,11 @@ from typing import Any
 
 from compiled_llm.config import EngineConfig
 from compiled_llm.engine.arg_utils import EngineArgs
+from compiled_llm.engine.async_llm import AsyncLLM
 from compiled_llm.engine.engine_process import AttachedEngine, EngineProcess, EngineStartupError
 from compiled_llm.engine.metrics import GROUP_METRICS_ENV
+from compiled_llm.entrypoints.openai.api_server import raise_keyboard_interrupt, serve_engine
+from compiled_llm.entrypoints.openai.server_args import ServerArgs
 from compiled_llm.logger import init_logger
 from compiled_llm.messages.engine_core import Handshake
 from compiled_llm.utils import exit_without_teardown, watch_parent_pipe
@@ -71,21 +74,18 @@ def claim_port(host: str, port: int) -> socket.socket:
 
 
 def run_api_server_process(
-    args: argparse.Namespace, config: EngineConfig, index: int, input_address: str, output_address: str,
+    server_args: ServerArgs, config: EngineConfig, index: int, input_address: str, output_address: str,
     engine_pid: int, handshake: Handshake, conn: multiprocessing.connection.Connection,
 ) -> None:
-    """Entry point of API server `index` (multiprocessing, spawn context); `args.port`: the port
-    the supervisor claimed."""
+    """Entry point of API server `index` (multiprocessing, spawn context); `server_args.port`: the
+    port the supervisor claimed."""
     from setproctitle import setproctitle
-
-    from compiled_llm.engine.async_llm import AsyncLLM
-    from compiled_llm.entrypoints.openai.api_server import raise_keyboard_interrupt, serve_engine
 
     setproctitle(f"{API_SERVER_PROC_TITLE}_{index}")
     signal.signal(signal.SIGTERM, raise_keyboard_interrupt)  # until uvicorn installs its handlers
     threading.Thread(target=watch_parent_pipe, args=(conn,), name="SupervisorWatch", daemon=True).start()
     try:
-        engine = AsyncLLM(config, args.engine_timeout, args.stream_interval,
+        engine = AsyncLLM(config, server_args.engine_timeout, server_args.stream_interval,
                           engine=AttachedEngine(engine_pid, input_address, output_address, handshake),
                           client_index=index)
     except (EngineStartupError, ValueError, OSError) as e:
@@ -94,22 +94,22 @@ def run_api_server_process(
     except KeyboardInterrupt:
         sys.exit(0)
     try:
-        sock = bind_port(args.host, args.port)
+        sock = bind_port(server_args.host, server_args.port)
     except OSError as e:
-        logger.error("API server %d could not bind %s:%d: %s", index, args.host, args.port, e)
+        logger.error("API server %d could not bind %s:%d: %s", index, server_args.host, server_args.port, e)
         engine.shutdown()
         sys.exit(1)
-    exit_without_teardown(serve_engine(engine, args, sock))  # as one server's process ends (cli.py)
+    exit_without_teardown(serve_engine(engine, server_args, sock))  # as one server's process ends (cli.py)
 
 
 class _Supervisor:
     """The engine process and the API server processes, started and stopped together."""
 
-    def __init__(self, args: argparse.Namespace, config: EngineConfig, folder: str) -> None:
-        self.args = args
+    def __init__(self, server_args: ServerArgs, config: EngineConfig, folder: str) -> None:
+        self.server_args = server_args
         self.config = config
         self.folder = folder
-        self.count = args.api_server_count
+        self.count = server_args.api_server_count
         self.engine = EngineProcess(config)
         self.servers: list[multiprocessing.process.BaseProcess] = []
         self._pipes: list[Any] = []
@@ -130,16 +130,15 @@ class _Supervisor:
         """The engine first (its handshake says how big the KV cache came out), then the servers."""
         outputs = [f"ipc://{self.folder}/output{i}" for i in range(self.count)]
         self.engine.start(outputs)
-        handshake = self.engine.wait_ready()
-        self.config.cache_config.num_blocks = handshake.num_blocks
+        handshake = self.engine.wait_ready()  # each API server's client reads the KV cache's size from it
         logger.info("Engine core (pid %d) ready; starting %d API server processes.", self.engine.pid, self.count)
         mp = multiprocessing.get_context("spawn")
         for i in range(self.count):
             parent_end, child_end = mp.Pipe()
             server = mp.Process(
                 target=run_api_server_process, name=f"APIServer_{i}",
-                args=(self.args, self.config, i, self.engine.input_address, outputs[i], self.engine.pid, handshake,
-                      child_end),
+                args=(self.server_args, self.config, i, self.engine.input_address, outputs[i], self.engine.pid,
+                      handshake, child_end),
             )
             server.start()
             child_end.close()
@@ -195,13 +194,11 @@ class _Supervisor:
         return clean
 
 
-def run_api_server_group(args: argparse.Namespace) -> int:
-    from compiled_llm.entrypoints.openai.api_server import check_server_args, raise_keyboard_interrupt
-
-    if not check_server_args(args):
-        return 1
+def run_api_server_group(server_args: ServerArgs, engine_args: EngineArgs) -> int:
+    """`compiled-llm serve --api-server-count N` (N > 1): 0 after a clean shutdown, 1 when the
+    engine or an API server failed to start or died."""
     try:
-        config = EngineArgs.from_cli_args(args).create_engine_config()
+        config = engine_args.create_engine_config()
     except (ValueError, OSError) as e:
         logger.error("%s", e)
         return 1
@@ -210,18 +207,18 @@ def run_api_server_group(args: argparse.Namespace) -> int:
                      "--data-parallel-size %d yet.", config.parallel_config.data_parallel_size)
         return 1
     try:
-        claim = claim_port(args.host, args.port)
+        claim = claim_port(server_args.host, server_args.port)
     except OSError as e:
-        logger.error("Could not bind %s:%d: %s", args.host, args.port, e)
+        logger.error("Could not bind %s:%d: %s", server_args.host, server_args.port, e)
         return 1
-    args = argparse.Namespace(**{**vars(args), "port": claim.getsockname()[1]})  # --port 0: the one chosen
+    server_args = dataclasses.replace(server_args, port=claim.getsockname()[1])  # --port 0: the one chosen
     folder = tempfile.mkdtemp(prefix="compiled-llm-api-")
     metrics_dir = os.path.join(folder, "metrics")
     os.mkdir(metrics_dir)
     previous_metrics_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # inherited by the API servers
     os.environ[GROUP_METRICS_ENV] = "1"
-    supervisor = _Supervisor(args, config, folder)
+    supervisor = _Supervisor(server_args, config, folder)
 
     def request_stop(signum: int, frame: Any) -> None:
         supervisor.request_stop()

@@ -105,7 +105,7 @@ class OpenAIServingChat(OpenAIServing):
         """The conversation rendered and tokenized; a 400 for a template that fails or a text too long."""
         template_kwargs = dict(template_kwargs or {})
         if (chat_template is not None or "chat_template" in template_kwargs) and \
-                not self.options.trust_request_chat_template:
+                not self.server_args.trust_request_chat_template:
             raise OpenAIError(
                 "This server does not take chat templates from requests (a template is code); its operator can "
                 "allow them with --trust-request-chat-template.", param="chat_template",
@@ -152,7 +152,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         self.check_request(request)
-        tools = plan_tools(request, self.options.enable_auto_tool_choice, self.options.tool_call_parser)
+        tools = plan_tools(request, self.server_args.enable_auto_tool_choice, self.server_args.tool_call_parser)
         structured = requested_structured_outputs(request)
         if structured is not None and tools.constrains_output:
             raise OpenAIError("You can only either use constraints for structured outputs or tools, not both: "

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, TypeVar
 
 from fastapi import Request
@@ -18,6 +17,7 @@ from compiled_llm.engine.processor import PromptType
 from compiled_llm.engine.tokenizer import TokenTexts
 from compiled_llm.entrypoints.openai.errors import OpenAIError, engine_dead_message, error_body
 from compiled_llm.entrypoints.openai.protocol import PromptTokensDetails, RequestModel, SamplingRequest, UsageInfo
+from compiled_llm.entrypoints.openai.server_args import ServerArgs
 from compiled_llm.logger import init_logger
 from compiled_llm.outputs import RequestOutput
 from compiled_llm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
@@ -44,21 +44,13 @@ def sse_error(error: BaseException) -> str:
     return f"data: {json.dumps(body.model_dump())}\n\n"
 
 
-@dataclass(frozen=True)
-class ServingOptions:
-    """What the operator allows a request to ask for."""
-
-    max_n: int = 128  # parallel samples (n, best_of) of one request, as OpenAI caps them
-    trust_request_chat_template: bool = False  # a request's own `chat_template` is code (Jinja)
-    enable_auto_tool_choice: bool = False  # tool_choice "auto": parse the model's text for calls
-    tool_call_parser: str | None = None  # which format that text is in (tool_parsers.TOOL_PARSERS)
-
-
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, served_model_name: str, options: ServingOptions | None = None) -> None:
+    def __init__(self, engine: AsyncLLM, served_model_name: str, server_args: ServerArgs | None = None) -> None:
+        """`server_args`: what the operator allows a request to ask for (`--max-n`, a request's own
+        chat template, automatic tool choice)."""
         self.engine = engine
         self.served_model_name = served_model_name
-        self.options = options or ServingOptions()
+        self.server_args = server_args or ServerArgs()
         self.max_model_len = engine.model_config.max_model_len
         self.token_text = TokenTexts(engine.tokenizer)
 
@@ -86,9 +78,9 @@ class OpenAIServing:
         if problem is not None:
             raise OpenAIError(problem)
         for name, value in (("n", request.n), ("best_of", request.best_of)):
-            if value is not None and value > self.options.max_n:
+            if value is not None and value > self.server_args.max_n:
                 raise OpenAIError(
-                    f"{name} must be at most {self.options.max_n} (the server's --max-n), got {value}.", param=name
+                    f"{name} must be at most {self.server_args.max_n} (the server's --max-n), got {value}.", param=name
                 )
         bad = [t for t in (request.logit_bias_ids() or {}) if t >= self.engine.processor.vocab_size]
         if bad:

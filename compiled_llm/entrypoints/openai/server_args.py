@@ -1,0 +1,52 @@
+"""`ServerArgs`: the OpenAI server's own settings (where it listens, what a request may ask for, how
+it streams, how many processes serve), beside the engine's `EngineArgs`.
+
+Its flags are generated from its fields by the machinery that builds the engine's
+(`engine/arg_utils.py`), so a new server setting is one field, and its default is stated once.
+The server code receives a `ServerArgs`, never the parsed command line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from compiled_llm.engine.arg_utils import CliArgs, positive_int, setting
+from compiled_llm.entrypoints.openai.tool_parsers import TOOL_PARSERS
+
+SERVER = "server"  # the help group
+
+
+@dataclass(frozen=True)
+class ServerArgs(CliArgs):
+    host: str = setting("127.0.0.1", "Address to bind (default: 127.0.0.1, this machine only).", group=SERVER)
+    port: int = setting(8000, "Port to bind (default: 8000).", group=SERVER)
+    api_key: str | None = setting(None, "Require `Authorization: Bearer KEY` on /v1 and tokenizer routes.",
+                                  group=SERVER)
+    max_n: int = setting(128, "The most parallel samples (n, best_of) one request may ask for (default: 128).",
+                         group=SERVER)
+    max_request_body_bytes: int | None = setting(
+        None, "Larger request bodies get a 413 (default: twice the longest prompt that fits the context, at least "
+        "8 MiB).", group=SERVER)
+    trust_request_chat_template: bool = setting(
+        False, "Accept a `chat_template` sent with a request (it is code; off by default).", group=SERVER)
+    enable_auto_tool_choice: bool = setting(
+        False, 'Answer tool_choice "auto" (the default when a request has tools) by parsing the model\'s text for '
+        "tool calls, in the --tool-call-parser format.", group=SERVER)
+    tool_call_parser: str | None = setting(
+        None, "The format the model writes tool calls in: hermes (<tool_call>{...}</tool_call>; Hermes, Qwen) or "
+        "xlam (a JSON array of calls; SmolLM2, xLAM).", group=SERVER, choices=TOOL_PARSERS)
+    stream_interval: int = setting(
+        1, "Stream tokens in events of N (the first and last event excepted): one socket write and wake-up per N "
+        "tokens instead of per token, for many streams at a high token rate, at the cost of coarser inter-token "
+        "latency (default: 1).", group=SERVER, parse=positive_int, metavar="N")
+    api_server_count: int = setting(
+        1, "API server processes in front of the one engine core, sharing the port (each new connection goes to "
+        "one of them): one process streams on the order of 10k tokens/s, a GPU can decode more at a large batch "
+        "(default: 1).", group=SERVER, parse=positive_int, metavar="N")
+    engine_timeout: float = setting(
+        120.0, "Seconds without any engine output, while requests are open, after which the engine counts as hung "
+        "and the server exits (default: 120).", group=SERVER)
+
+    def __post_init__(self) -> None:
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser (one of {', '.join(TOOL_PARSERS)}).")
