@@ -68,7 +68,7 @@ def main() -> None:
     torch.set_num_threads(2)
     llm = LLM(optimization_level=0, max_model_len=1024, kv_cache_memory_bytes=1 << 30, max_num_seqs=args.batch)
     build_batch(llm, args.batch, 256, 128)
-    runner = llm.llm_engine.engine_core.runner
+    runner = llm.llm_engine.engine_core.executor.driver
     rows = np.array(sorted(runner.batch.row_of.values()), dtype=np.int64)
     assert len(rows) == args.batch
     seconds = time_metadata(runner, rows, args.repeats)

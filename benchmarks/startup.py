@@ -34,7 +34,7 @@ llm = LLM(sys.argv[1] if sys.argv[1] != "-" else None, optimization_level=int(sy
 ready = time.time()
 llm.generate("Hello", SamplingParams(max_tokens=1), use_tqdm=False)
 first_token = time.time()
-runner = llm.llm_engine.engine_core.runner
+runner = llm.llm_engine.engine_core.executor.driver
 compiled = getattr(runner, "compiled_forward", None)
 print(json.dumps({
     "ttft_from_process_start": first_token - started,

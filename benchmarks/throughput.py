@@ -95,7 +95,7 @@ class StepTimer:
 
     def __init__(self, llm) -> None:
         self.events: list = []
-        self.runner = runner = llm.llm_engine.engine_core.runner
+        self.runner = runner = llm.llm_engine.engine_core.executor.driver
         forward, logits = runner.model_forward, runner.model.compute_logits
         self.saved = forward
 

@@ -3,7 +3,8 @@
 The factors are written beside the cache entry as JSON so that a person can see why two
 starts used different entries. The source hash covers every Python file of the package and the
 files defining the model's classes: a superset of what Dynamo traces, which is safe and lets
-the key be computed without tracing (`precompile --print-cache-key`).
+the key be computed without tracing (`precompile --print-cache-key`). The factors come as plain
+values: an engine's are assembled on the worker's side (`compiled_llm/worker/cache_factors.py`).
 """
 
 from __future__ import annotations
@@ -15,16 +16,12 @@ import json
 import platform
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 import compiled_llm
 from compiled_llm.compilation.config import CompilationConfig
-
-if TYPE_CHECKING:
-    from compiled_llm.compilation.compile_cache import CompileCache
-    from compiled_llm.config import EngineConfig
 
 
 def _hash_text(text: str) -> str:
@@ -131,34 +128,3 @@ def compute_factors(
 
 def cache_key(factors: dict[str, Any]) -> str:
     return _hash_text(json.dumps(factors, sort_keys=True, default=repr))[:16]
-
-
-def engine_cache_factors(config: EngineConfig, rank: int | None = None) -> dict[str, Any]:
-    """The factors for an engine's settings (for tensor-parallel `rank`, by default this process's):
-    no model is built (every source file of the package, the models' included, is hashed), so
-    `precompile --print-cache-key` answers at once."""
-    if rank is None:
-        from compiled_llm.distributed.parallel_state import tensor_parallel
-
-        rank = tensor_parallel().rank
-    from compiled_llm.kernels.cpu_extension import uses_cpu_kernels
-
-    mc = config.model_config
-    return compute_factors(
-        hf_config=mc.hf_config,
-        dtype=mc.dtype,
-        device=config.torch_device,
-        compilation_config=config.compilation_config,
-        max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
-        source_files=package_sources(),
-        cpu_kernels=uses_cpu_kernels(config.torch_device, mc.dtype),  # what the model's layers call
-        tensor_parallel=(rank, config.parallel_config.tensor_parallel_size),
-    )
-
-
-def engine_compile_cache(config: EngineConfig) -> CompileCache:
-    """The compile cache entry an engine with these settings reads and fills."""
-    from compiled_llm.compilation.compile_cache import CompileCache
-
-    factors = engine_cache_factors(config)
-    return CompileCache(config.compilation_config.cache_dir, cache_key(factors), factors)

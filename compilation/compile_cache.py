@@ -205,9 +205,6 @@ class CompileCache:
     def artifact_rel(name: str) -> str:
         return f"artifacts/{name}.bin"
 
-    def artifact_path(self, name: str) -> Path:
-        return self.entry / self.artifact_rel(name)
-
     # ---- one start --------------------------------------------------------------------------------
     @contextmanager
     def opened(self, require_cache_hit: bool = False) -> Iterator[None]:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from compiled_llm.compilation.backend import CompilerBackend
-from compiled_llm.compilation.compile_cache import CompileCache, CompileCacheError, read_signing_key
+from compiled_llm.compilation.compile_cache import CompileCache, CompileCacheError
 from compiled_llm.compilation.config import CompilationConfig
 from compiled_llm.compilation.counters import CompileReport, counters
 from compiled_llm.compilation.traced_graph import DirectCall
@@ -32,8 +32,6 @@ class CompiledForward:
         from compiled_llm.compilation import inductor_settings
 
         inductor_settings.apply()
-        if config.cache_signing_key_file and cache.signing_key is None:
-            cache.signing_key = read_signing_key(config.cache_signing_key_file)
         self.model = model
         self.config = config
         self.cache = cache

@@ -25,10 +25,9 @@ from compiled_llm.core.structured_outputs.manager import StructuredOutputManager
 from compiled_llm.executor import make_executor
 from compiled_llm.logger import init_logger
 from compiled_llm.messages.engine_core import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from compiled_llm.messages.runner_output import AsyncModelRunnerOutput
 from compiled_llm.messages.scheduler_output import SchedulerOutput
 from compiled_llm.structured_output_spec import grammar_spec
-from compiled_llm.worker.model_runner import ModelRunner
-from compiled_llm.worker.step_output import StepOutput
 
 # How long an idle engine blocks on a grammar being compiled before it looks at its inputs again.
 _GRAMMAR_WAIT_SECONDS = 0.05
@@ -44,16 +43,15 @@ class EngineCore:
         self.config = config
         # Every rank's runner; this process holds the driver's (rank 0), which samples.
         self.executor = make_executor(config, exit_on_worker_death)
-        self.runner: ModelRunner = self.executor.driver
         logger.info("Model weights loaded in %.2f s.", self.executor.load_seconds)
         t = time.perf_counter()
-        num_blocks = self.executor.determine_num_blocks()
+        num_blocks = min(self.executor.collective_rpc("determine_num_blocks"))  # what fits on every rank
         config.cache_config.num_blocks = num_blocks
-        self.executor.initialize_kv_cache(num_blocks)
+        self.executor.collective_rpc("initialize_kv_cache", num_blocks)
         self.kv_seconds = time.perf_counter() - t
-        self.executor.compile_or_warm_up()
+        self.executor.collective_rpc("compile_or_warm_up")
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config)
-        self._in_flight: deque[tuple[SchedulerOutput, StepOutput]] = deque()  # launched, not yet accounted
+        self._in_flight: deque[tuple[SchedulerOutput, AsyncModelRunnerOutput]] = deque()  # launched, not accounted
         self.structured_outputs: StructuredOutputManager | None = None  # made by the first constrained request
         self.startup_seconds = time.perf_counter() - started
         logger.info("Engine core ready in %.2f s.", self.startup_seconds)

@@ -25,38 +25,44 @@ def add_precompile_args(parser: argparse.ArgumentParser) -> None:
                    help="Print the compile cache key for these settings and exit without compiling.")
 
 
+# What `--json` reports of each tensor-parallel rank.
+RANK_FIELDS = ("rank", "inductor_compilations", "artifacts_loaded", "cache_dir")
+
+
 def run_precompile(args: argparse.Namespace) -> int:
-    from compiled_llm.compilation.cache_key import engine_compile_cache
+    from compiled_llm.compilation.cache_key import cache_key
     from compiled_llm.executor import make_executor
+    from compiled_llm.worker.cache_factors import engine_cache_factors
 
     config = EngineArgs.from_cli_args(args).create_engine_config()
     if config.compilation_config.level == 0:
         raise SystemExit("precompile needs an optimization level of 1 or more (-O1, -O2): -O0 compiles nothing.")
     if args.print_cache_key:
-        print(engine_compile_cache(config).key)
+        print(cache_key(engine_cache_factors(config, rank=0)))
         return 0
     started = time.perf_counter()
     # Every tensor-parallel rank compiles (or loads) its own slice into its own entry.
     executor = make_executor(config)
     try:
         # Compiled pieces do not depend on the KV cache's size: a minimal one is enough to trace.
-        executor.initialize_kv_cache(num_blocks=2)
-        ranks = executor.compile()  # CUDA graphs are not saved (they hold device addresses): `serve` captures them
+        executor.collective_rpc("initialize_kv_cache", 2)
+        # CUDA graphs are not saved (they hold device addresses): `serve` captures them.
+        ranks = executor.collective_rpc("compile")
     finally:
         executor.shutdown()
-    compiled = executor.driver.compiled_forward  # rank 0's report; the others did the same work
-    report = compiled.report
+    driver = ranks[0]  # rank 0's summary; the others did the same work on their slices
     result = {
-        "pieces": report.pieces,
-        "unique_pieces": report.unique_pieces,
-        "compile_ranges": [list(r) for r in report.compile_ranges],
-        "compile_sizes": report.compile_sizes,
-        "inductor_compilations": report.inductor_compilations,
-        "artifacts_saved": report.artifacts_saved,
-        "artifacts_loaded": report.artifacts_loaded,
-        "seconds": round(compiled.seconds or 0.0, 3),
-        "cache_dir": report.cache_dir,
-        "ranks": ranks,  # each tensor-parallel rank's compilations and loads (one rank without TP)
+        "pieces": driver["pieces"],
+        "unique_pieces": driver["unique_pieces"],
+        "compile_ranges": [list(r) for r in driver["compile_ranges"]],
+        "compile_sizes": driver["compile_sizes"],
+        "inductor_compilations": driver["inductor_compilations"],
+        "artifacts_saved": driver["artifacts_saved"],
+        "artifacts_loaded": driver["artifacts_loaded"],
+        "seconds": round(driver["seconds"] or 0.0, 3),
+        "cache_dir": driver["cache_dir"],
+        # Each tensor-parallel rank's compilations and loads (one rank without TP).
+        "ranks": [{field: rank[field] for field in RANK_FIELDS} for rank in ranks],
         "total_seconds": round(time.perf_counter() - started, 3),
     }
     logger.info("Precompile done: %d Inductor compilations, %d artifacts loaded, %.2f s; cache %s",

@@ -22,9 +22,9 @@ from compiled_llm.config import EngineConfig
 from compiled_llm.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
 from compiled_llm.executor.base import MultiRankExecutor
 from compiled_llm.logger import init_logger
+from compiled_llm.messages.runner_output import AsyncModelRunnerOutput
 from compiled_llm.messages.scheduler_output import SchedulerOutput
 from compiled_llm.utils import get_open_port
-from compiled_llm.worker.step_output import StepOutput
 from compiled_llm.worker.worker import run_worker_process
 
 logger = init_logger(__name__)
@@ -64,7 +64,7 @@ class MultiprocExecutor(MultiRankExecutor):
             threading.Thread(target=self._watch, name="WorkerWatch", daemon=True).start()
 
     # ---- commands ------------------------------------------------------------------------------
-    def _send(self, name: str, arg: Any = None) -> None:
+    def _send(self, name: str, arg: Any) -> None:
         frame = self._encoder.encode([name, arg])
         for conn in self._conns:
             conn.send_bytes(frame)
@@ -82,8 +82,8 @@ class MultiprocExecutor(MultiRankExecutor):
             results.append(value)
         return results
 
-    def _send_to_workers(self, name: str, arg: Any) -> None:
-        self._send(name, arg)
+    def _send_to_workers(self, method: str, args: tuple[Any, ...]) -> None:
+        self._send(method, args)
 
     def _worker_results(self, pending: None) -> list[Any]:
         return self._collect()
@@ -91,7 +91,7 @@ class MultiprocExecutor(MultiRankExecutor):
     # ---- the executor --------------------------------------------------------------------------
     def execute_model_async(
         self, scheduler_output: SchedulerOutput, grammar_bitmask: Callable[[], torch.Tensor] | None = None
-    ) -> StepOutput:
+    ) -> AsyncModelRunnerOutput:
         self._send("execute", self._encoder.encode(scheduler_output))
         return self.driver.execute_model_async(scheduler_output, grammar_bitmask)
 

@@ -20,9 +20,9 @@ from compiled_llm.config import EngineConfig
 from compiled_llm.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
 from compiled_llm.executor.base import MultiRankExecutor
 from compiled_llm.logger import init_logger
+from compiled_llm.messages.runner_output import AsyncModelRunnerOutput
 from compiled_llm.messages.scheduler_output import SchedulerOutput
 from compiled_llm.utils import get_open_port, import_ray
-from compiled_llm.worker.step_output import StepOutput
 
 logger = init_logger(__name__)
 
@@ -40,8 +40,8 @@ class _RayWorker:
 
         return ray.get_runtime_context().get_node_id()
 
-    def call(self, name: str, arg: Any = None) -> Any:
-        return getattr(self.worker, name)(*([] if arg is None else [arg]))
+    def call(self, method: str, args: tuple[Any, ...]) -> Any:
+        return self.worker.call(method, args)
 
     def execute(self, payload: bytes) -> None:
         self.worker.execute(payload)
@@ -92,15 +92,15 @@ class RayExecutor(MultiRankExecutor):
         logger.info("Ray: tensor-parallel ranks on nodes %s (driver on %s).", self.worker_nodes, driver_node)
 
     # ---- commands ------------------------------------------------------------------------------
-    def _send_to_workers(self, name: str, arg: Any) -> list[Any]:
-        return [w.call.remote(name, arg) for w in self.workers]
+    def _send_to_workers(self, method: str, args: tuple[Any, ...]) -> list[Any]:
+        return [w.call.remote(method, args) for w in self.workers]
 
     def _worker_results(self, pending: list[Any]) -> list[Any]:
         return self._ray.get(pending)
 
     def execute_model_async(
         self, scheduler_output: SchedulerOutput, grammar_bitmask: Callable[[], torch.Tensor] | None = None
-    ) -> StepOutput:
+    ) -> AsyncModelRunnerOutput:
         self._check_workers()
         payload = self._encoder.encode(scheduler_output)
         self._pending += [w.execute.remote(payload) for w in self.workers]

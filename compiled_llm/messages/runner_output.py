@@ -1,7 +1,10 @@
-"""What the model runner hands back to the engine core after a step."""
+"""What the model runner hands back to the engine core after a step: the step's output, and the
+handle of a step still running on the device (the core reads it one step later under asynchronous
+scheduling). Kept here, below the core and the runner, so the core never imports the runner."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 import msgspec
@@ -27,3 +30,11 @@ class ModelRunnerOutput:
     # Requests whose prompt was completed in this step and that asked for prompt logprobs: one row
     # per prompt token after the first.
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+
+
+class AsyncModelRunnerOutput(ABC):
+    """A launched step whose sampled tokens may still be on their way from the device."""
+
+    @abstractmethod
+    def get_output(self) -> ModelRunnerOutput:
+        """The step's output, waiting for the device if need be (the same object on every call)."""

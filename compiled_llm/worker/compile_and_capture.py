@@ -4,35 +4,37 @@ while serving."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from compiled_llm.compilation.cache_key import engine_compile_cache
-from compiled_llm.compilation.config import CUDAGraphMode
+from compiled_llm.compilation.compile_cache import CompileCache
+from compiled_llm.compilation.config import CompilationConfig, CUDAGraphMode
 from compiled_llm.compilation.cudagraph_dispatcher import CudagraphDispatcher
 from compiled_llm.compilation.forward_context import set_forward_context
 from compiled_llm.logger import init_logger
+from compiled_llm.worker.step_inputs import StepInputs
 
 if TYPE_CHECKING:
     from compiled_llm.compilation.compiled_forward import CompiledForward
-    from compiled_llm.worker.model_runner import ModelRunner
 
 logger = init_logger(__name__)
 
 
-def compile_model(runner: ModelRunner) -> CompiledForward:
-    """Trace and compile the runner's model (or load it from the compile cache)."""
+def compile_model(
+    model: torch.nn.Module, inputs: StepInputs, config: CompilationConfig, cache: CompileCache, max_num_tokens: int
+) -> CompiledForward:
+    """Trace and compile `model` (or load it from `cache`), tracing with dummy `inputs`."""
     from compiled_llm.compilation.compiled_forward import CompiledForward
 
-    config = runner.config.compilation_config
-    if runner.max_num_tokens < 2:
+    if max_num_tokens < 2:
         raise ValueError("compilation needs max_num_batched_tokens >= 2")
-    compiled = CompiledForward(runner.model, config, engine_compile_cache(runner.config), runner.max_num_tokens)
-    num_tokens = min(runner.max_num_tokens, 16)
-    with torch.inference_mode(), set_forward_context(runner.inputs.dummy(num_tokens)):
-        compiled.trace(*runner.inputs.model_args(num_tokens))
+    compiled = CompiledForward(model, config, cache, max_num_tokens)
+    num_tokens = min(max_num_tokens, 16)
+    with torch.inference_mode(), set_forward_context(inputs.dummy(num_tokens)):
+        compiled.trace(*inputs.model_args(num_tokens))
     r = compiled.report
     how = ("traced with Dynamo and " + ("compiled" if r.inductor_compilations else "loaded")) if r.traced \
         else "loaded the saved graph"
@@ -45,27 +47,40 @@ def compile_model(runner: ModelRunner) -> CompiledForward:
     return compiled
 
 
-def capture_cudagraphs(runner: ModelRunner) -> CudagraphDispatcher:
-    """Capture every graph the dispatcher can pick, largest first, into one memory pool."""
+def compile_summary(compiled: CompiledForward, rank: int) -> dict[str, Any]:
+    """What one rank's compile did (its report, its seconds), in plain values that cross a pipe:
+    `precompile --json` is made of these."""
+    return {"rank": rank, "seconds": compiled.seconds, **dataclasses.asdict(compiled.report)}
+
+
+def capture_cudagraphs(
+    model_forward: Callable[..., torch.Tensor],
+    inputs: StepInputs,
+    config: CompilationConfig,
+    max_num_tokens: int,
+    max_num_reqs: int,
+) -> tuple[Callable[..., torch.Tensor], CudagraphDispatcher]:
+    """Capture every graph the dispatcher can pick, largest first, into one memory pool. Returns
+    the forward to call from now on (wrapped in a FULL graph wrapper when the mode has full
+    graphs) and the dispatcher that picks each step's graph."""
     from compiled_llm.compilation.counters import counters
     from compiled_llm.compilation.cuda_graph import CUDAGraphWrapper, capture_phase
 
-    config = runner.config.compilation_config
-    sizes = [s for s in config.cudagraph_capture_sizes if s <= runner.max_num_tokens]
-    dispatcher = CudagraphDispatcher(sizes, config.cudagraph_mode, runner.max_num_reqs)
+    sizes = [s for s in config.cudagraph_capture_sizes if s <= max_num_tokens]
+    dispatcher = CudagraphDispatcher(sizes, config.cudagraph_mode, max_num_reqs)
     if config.cudagraph_mode.has_full_cudagraphs():
-        runner.model_forward = CUDAGraphWrapper(runner.model_forward, CUDAGraphMode.FULL, name="model")
+        model_forward = CUDAGraphWrapper(model_forward, CUDAGraphMode.FULL, name="model")
     started, captured = time.perf_counter(), counters.num_cudagraph_captured
     free_before = torch.cuda.mem_get_info()[0]
     with torch.inference_mode(), capture_phase():
         for mode, descriptor in dispatcher.capture_descriptors():
-            metadata = runner.inputs.dummy(descriptor.num_tokens, descriptor.num_reqs or 1)
+            metadata = inputs.dummy(descriptor.num_tokens, descriptor.num_reqs or 1)
             with set_forward_context(metadata, mode, descriptor):
-                runner.model_forward(*runner.inputs.model_args(descriptor.num_tokens))
+                model_forward(*inputs.model_args(descriptor.num_tokens))
     torch.cuda.synchronize()
     logger.info(
         "CUDA graphs (%s): %d captured for %d sizes up to %d tokens in %.2f s, using %.2f GiB.",
         config.cudagraph_mode.name, counters.num_cudagraph_captured - captured, len(sizes), max(sizes, default=0),
         time.perf_counter() - started, (free_before - torch.cuda.mem_get_info()[0]) / (1 << 30),
     )
-    return dispatcher
+    return model_forward, dispatcher

@@ -13,7 +13,7 @@ CUDA-graph capture (`compile_and_capture`).
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -32,6 +32,8 @@ from compiled_llm.models.layers.attention import Attention
 from compiled_llm.models.loader import build_model
 from compiled_llm.utils import cdiv
 from compiled_llm.worker import kv_cache_sizing
+from compiled_llm.worker.cache_factors import engine_compile_cache
+from compiled_llm.worker.compile_and_capture import capture_cudagraphs, compile_model, compile_summary
 from compiled_llm.worker.grammar_bitmask import apply_grammar_bitmask
 from compiled_llm.worker.input_batch import InputBatch
 from compiled_llm.worker.prompt_logprobs import PromptLogprobsComputer, PromptLogprobsTensors, PromptSegment
@@ -178,7 +180,7 @@ class ModelRunner:
         self.update_states(out)
         self._step += 1
         if out.empty:
-            return StepOutput(self, self._step, [])
+            return StepOutput(self.batch, self.device, self._step, [])
         batch = self.batch
         # Decodes (one query token) first: attention handles them in one batched call.
         req_ids = sorted(out.num_scheduled_tokens, key=lambda r: out.num_scheduled_tokens[r] != 1)
@@ -203,7 +205,7 @@ class ModelRunner:
         # Only requests whose every known token is now computed sample a token.
         sample_idx = np.flatnonzero(seq_lens == batch.num_tokens[rows])
         if not len(sample_idx):
-            return StepOutput(self, self._step, req_ids, prompt_logprobs=prompt_logprobs)
+            return StepOutput(self.batch, self.device, self._step, req_ids, prompt_logprobs=prompt_logprobs)
         logits_indices = torch.from_numpy(metadata.query_start_loc_cpu[1:][sample_idx] - 1).to(self.device)
         logits = self.model.compute_logits(hidden[logits_indices])
         if grammar_bitmask is not None:
@@ -218,7 +220,8 @@ class ModelRunner:
         batch.sampling.record_sampled(sample_rows, result.sampled)
         positions = batch.add_sampled(sample_rows, self._step)
         self._last_sampled = result.sampled
-        return StepOutput(self, self._step, req_ids, sample_idx, sample_rows, positions, result, prompt_logprobs)
+        return StepOutput(self.batch, self.device, self._step, req_ids, sample_idx, sample_rows, positions, result,
+                          prompt_logprobs)
 
     def _prompt_segments(
         self, req_ids: list[str], rows: np.ndarray, num_sched: np.ndarray, query_start_loc: np.ndarray
@@ -271,9 +274,9 @@ class ModelRunner:
         if self.config.compilation_config.level:
             self.compile()
         if self.captures_cudagraphs:
-            from compiled_llm.worker.compile_and_capture import capture_cudagraphs
-
-            self.dispatcher = capture_cudagraphs(self)
+            self.model_forward, self.dispatcher = capture_cudagraphs(
+                self.model_forward, self.inputs, self.config.compilation_config, self.max_num_tokens, self.max_num_reqs
+            )
 
     @property
     def captures_cudagraphs(self) -> bool:
@@ -281,8 +284,13 @@ class ModelRunner:
         config = self.config.compilation_config
         return self.device.type == "cuda" and config.level >= 2 and config.cudagraph_mode is not CUDAGraphMode.NONE
 
-    def compile(self) -> None:
-        from compiled_llm.worker.compile_and_capture import compile_model
-
-        self.compiled_forward = compile_model(self)
+    def compile(self) -> dict[str, Any]:
+        """Compile (or load) every piece, capturing no CUDA graph (all `precompile` does); returns
+        what this rank did (`compile_summary`)."""
+        rank = self.tensor_parallel.rank
+        self.compiled_forward = compile_model(
+            self.model, self.inputs, self.config.compilation_config, engine_compile_cache(self.config, rank),
+            self.max_num_tokens,
+        )
         self.model_forward = self.compiled_forward
+        return compile_summary(self.compiled_forward, rank)

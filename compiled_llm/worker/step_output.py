@@ -7,17 +7,13 @@ output, which under asynchronous scheduling is after the next step has been laun
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
-from compiled_llm.messages.runner_output import LogprobsLists, ModelRunnerOutput
+from compiled_llm.messages.runner_output import AsyncModelRunnerOutput, LogprobsLists, ModelRunnerOutput
+from compiled_llm.worker.input_batch import InputBatch
 from compiled_llm.worker.prompt_logprobs import PromptLogprobsTensors
 from compiled_llm.worker.sampler import SamplerOutput
-
-if TYPE_CHECKING:
-    from compiled_llm.worker.model_runner import ModelRunner
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:
@@ -27,10 +23,13 @@ def _to_host(tensor: torch.Tensor) -> torch.Tensor:
     return host.copy_(tensor, non_blocking=True)
 
 
-class StepOutput:
+class StepOutput(AsyncModelRunnerOutput):
+    """`batch`: the runner's rows, which take in the sampled tokens once the host has them."""
+
     def __init__(
         self,
-        runner: ModelRunner,
+        batch: InputBatch,
+        device: torch.device,
         step: int,
         req_ids: list[str],
         sample_idx: np.ndarray | None = None,
@@ -39,7 +38,7 @@ class StepOutput:
         result: SamplerOutput | None = None,
         prompt_logprobs: dict[str, PromptLogprobsTensors] | None = None,
     ) -> None:
-        self.runner = runner
+        self.batch = batch
         self.step = step
         self.req_ids = req_ids
         self.sample_idx = sample_idx
@@ -48,7 +47,7 @@ class StepOutput:
         self._done: torch.cuda.Event | None = None
         self._host: list[torch.Tensor] = []
         # How many logprobs each sampling request wants, read now: its row may change hands later.
-        self.num_logprobs = runner.batch.sampling.num_logprobs[sample_rows].copy() if sample_rows is not None else None
+        self.num_logprobs = batch.sampling.num_logprobs[sample_rows].copy() if sample_rows is not None else None
         # Prompts completed in this step, for requests that asked for their logprobs.
         self._prompt_logprobs = {
             rid: PromptLogprobsTensors(_to_host(t.token_ids), _to_host(t.logprobs), _to_host(t.ranks))
@@ -59,7 +58,7 @@ class StepOutput:
             if result.logprobs is not None:
                 tensors += [result.logprob_token_ids, result.logprobs, result.sampled_ranks]  # type: ignore[list-item]
             self._host = [_to_host(t) for t in tensors]
-        if (self._host or self._prompt_logprobs) and runner.device.type == "cuda":
+        if (self._host or self._prompt_logprobs) and device.type == "cuda":
             self._done = torch.cuda.Event()  # after every copy above
             self._done.record()
         self._output: ModelRunnerOutput | None = None
@@ -76,7 +75,7 @@ class StepOutput:
         if self._host:
             assert self.sample_idx is not None and self.sample_rows is not None and self.positions is not None
             tokens = self._host[0].numpy()
-            batch = self.runner.batch
+            batch = self.batch
             ids = [self.req_ids[i] for i in self.sample_idx]
             # Rows still held by the same request (a preempted or finished one may have left).
             mine = np.fromiter((batch.req_ids[r] == rid for r, rid in zip(self.sample_rows, ids)), dtype=bool,

@@ -16,7 +16,7 @@ import signal
 import traceback
 from collections import deque
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Sequence
 
 import msgspec
 
@@ -30,6 +30,18 @@ from compiled_llm.worker.step_output import StepOutput
 logger = init_logger(__name__)
 
 
+# The runner methods the driver may call on every rank by name (`Executor.collective_rpc`): a
+# name crosses the pipe, never code, and only these names run.
+RUNNER_METHODS = frozenset({"determine_num_blocks", "initialize_kv_cache", "compile_or_warm_up", "compile"})
+
+
+def call_runner(runner: ModelRunner, method: str, args: Sequence[Any]) -> Any:
+    """`runner.method(*args)` for a method of `RUNNER_METHODS` (any other name is refused)."""
+    if method not in RUNNER_METHODS:
+        raise ValueError(f"{method!r} is not a runner method the driver may call (one of {sorted(RUNNER_METHODS)}).")
+    return getattr(runner, method)(*args)
+
+
 class Worker:
     def __init__(self, config: EngineConfig, rank: int, init_method: str) -> None:
         self.rank = rank
@@ -39,18 +51,9 @@ class Worker:
         self._steps: deque[StepOutput] = deque()
         self._decoder = msgspec.msgpack.Decoder(SchedulerOutput)
 
-    def determine_num_blocks(self) -> int:
-        return self.runner.determine_num_blocks()
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.runner.initialize_kv_cache(num_blocks)
-
-    def compile_or_warm_up(self) -> None:
-        self.runner.compile_or_warm_up()
-
-    def compile(self) -> dict[str, Any]:
-        self.runner.compile()
-        return compile_summary(self.runner, self.rank)
+    def call(self, method: str, args: Sequence[Any]) -> Any:
+        """A start-up command the driver runs on every rank (`call_runner`)."""
+        return call_runner(self.runner, method, args)
 
     def execute(self, payload: bytes) -> None:
         """Run the step the driver runs. Sampled ids are taken in one step late under asynchronous
@@ -63,15 +66,10 @@ class Worker:
         destroy_tensor_parallel()
 
 
-def compile_summary(runner: ModelRunner, rank: int) -> dict[str, Any]:
-    """What one rank's compile did, for `precompile --json`."""
-    report = runner.compiled_forward.report
-    return {"rank": rank, "inductor_compilations": report.inductor_compilations,
-            "artifacts_loaded": report.artifacts_loaded, "cache_dir": report.cache_dir}
-
-
 def run_worker_process(config: EngineConfig, rank: int, init_method: str, conn: Connection) -> None:
-    """Entry point of a worker process (spawned): answer the driver's commands until it goes."""
+    """Entry point of a worker process (spawned): answer the driver's commands until it goes. A
+    command is `[name, arg]`: "execute" and a step's scheduler output (msgpack, not answered),
+    "shutdown", or a runner method of `RUNNER_METHODS` and its arguments (answered)."""
     from setproctitle import setproctitle
 
     setproctitle(f"compiled_llm::Worker_TP{rank}")
@@ -95,8 +93,7 @@ def run_worker_process(config: EngineConfig, rank: int, init_method: str, conn: 
             if name == "execute":
                 worker.execute(arg)
                 continue
-            result: Any = getattr(worker, name)(*([] if arg is None else [arg]))
-            conn.send_bytes(encoder.encode(["ok", result]))
+            conn.send_bytes(encoder.encode(["ok", worker.call(name, arg)]))
         except BaseException as e:
             logger.error("Tensor-parallel rank %d failed in %s:\n%s", rank, name, traceback.format_exc())
             if name == "execute":

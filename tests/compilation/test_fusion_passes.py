@@ -134,7 +134,7 @@ def test_passes_are_configured_checked_and_part_of_the_cache_key(tiny_llama):
 def fused_attention_calls(llm: LLM, qkv_only: bool = False) -> int:
     """Attention calls that rotate their own inputs (the qkv overload also splits them), in the
     split graph's eager pieces."""
-    split = llm.llm_engine.engine_core.runner.compiled_forward.backend.split
+    split = llm.llm_engine.engine_core.executor.driver.compiled_forward.backend.split
     graphs = [m.graph for m in split.modules() if isinstance(m, fx.GraphModule)]
     return sum(1 for g in graphs for n in g.nodes if op_name(n.target) == "compiled_llm::attention"
                and (n.target is torch.ops.compiled_llm.attention.qkv or (len(n.args) == 8 and not qkv_only)))

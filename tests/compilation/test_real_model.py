@@ -14,7 +14,7 @@ def test_o1_greedy_output_matches_o0(real_model_path, warm_compile_cache):
     params = SamplingParams(temperature=0.0, max_tokens=32, logprobs=5, ignore_eos=True)
     compiled = LLM(real_model_path, optimization_level=1, require_cache_hit=True, max_model_len=1024,
                    kv_cache_memory_bytes=128 << 20)
-    runner = compiled.llm_engine.engine_core.runner
+    runner = compiled.llm_engine.engine_core.executor.driver
     assert runner.compiled_forward.report.inductor_compilations == 0  # a warm start
     ours = compiled.generate(PROMPTS, params, use_tqdm=False)
     del compiled

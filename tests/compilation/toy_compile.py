@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from compiled_llm.compilation.cache_key import cache_key, compute_factors, model_sources, package_sources
-from compiled_llm.compilation.compile_cache import CompileCache
+from compiled_llm.compilation.compile_cache import CompileCache, read_signing_key
 from compiled_llm.compilation.compiled_forward import CompiledForward
 from compiled_llm.compilation.config import CompilationConfig
 from compiled_llm.compilation.counters import counters
@@ -42,7 +42,8 @@ def compile_toy(cache_dir: str, ranges=None, sizes=(), strict: bool = False, sig
     model = ToyModel().eval()
     config = toy_config(cache_dir, ranges, sizes, strict, signing_key_file)
     factors = toy_factors(config, model)
-    cache = CompileCache(cache_dir, key or cache_key(factors), factors)
+    signing_key = read_signing_key(signing_key_file) if signing_key_file else None
+    cache = CompileCache(cache_dir, key or cache_key(factors), factors, signing_key)
     compiled = CompiledForward(model, config, cache, MAX_TOKENS, progress=False)
     with torch.inference_mode():
         compiled.trace(*inputs(8))

@@ -223,11 +223,11 @@ def test_an_unconstrained_batch_builds_no_bitmask(tiny_llama):
     llm.generate(["plain text", "more plain text"], SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
     core = llm.llm_engine.engine_core
     assert core.structured_outputs is None  # no grammar machinery exists at all
-    assert core.runner.num_grammar_bitmasks == 0
+    assert core.executor.driver.num_grammar_bitmasks == 0
     # In a mixed batch, only the steps that sample the constrained request apply a bitmask.
     outs = llm.generate(["plain", "constrained"], [
         SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
         SamplingParams(temperature=0.0, max_tokens=10, structured_outputs=SO(choice=["ab", "cd"])),
     ], use_tqdm=False)
     assert len(outs[0].outputs[0].token_ids) == 10
-    assert core.runner.num_grammar_bitmasks == len(outs[1].outputs[0].token_ids) < 10
+    assert core.executor.driver.num_grammar_bitmasks == len(outs[1].outputs[0].token_ids) < 10

@@ -142,7 +142,7 @@ def test_preemption_under_a_tiny_kv_budget_matches_a_roomy_run(tiny_llama):
     params = SamplingParams(temperature=0, max_tokens=160, ignore_eos=True)
     roomy = LLM(tiny_llama, optimization_level=0, max_model_len=256, kv_cache_memory_bytes=64 << 20)
     expected = [o.outputs[0].token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
-    block_bytes = roomy.llm_engine.engine_core.runner.kv_bytes_per_block()
+    block_bytes = roomy.llm_engine.engine_core.executor.driver.kv_bytes_per_block()
     # ~1000 tokens of KV cache:
     tight = LLM(tiny_llama, optimization_level=0, max_model_len=256, kv_cache_memory_bytes=block_bytes * 64)
     got = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]

@@ -30,7 +30,7 @@ def test_o2_greedy_generation_matches_eager(tmp_path):
 
     captured_before = counters.num_cudagraph_captured
     graphs = make_llm(folder, 2, str(tmp_path / "cache"))
-    runner = graphs.llm_engine.engine_core.runner
+    runner = graphs.llm_engine.engine_core.executor.driver
     assert runner.dispatcher is not None
     captured = counters.num_cudagraph_captured - captured_before
     assert captured > 0

@@ -26,13 +26,13 @@ def unpadded(tiny_llama):
     """The unpadded run: its tokens and its whole KV cache afterwards."""
     llm = make_llm(tiny_llama)
     tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
-    return tokens, [c.clone() for c in llm.llm_engine.engine_core.runner.kv_caches]
+    return tokens, [c.clone() for c in llm.llm_engine.engine_core.executor.driver.kv_caches]
 
 
 def test_padded_steps_give_the_same_tokens_and_write_no_kv(tiny_llama, unpadded):
     expected, expected_caches = unpadded
     llm = make_llm(tiny_llama)
-    runner = llm.llm_engine.engine_core.runner
+    runner = llm.llm_engine.engine_core.executor.driver
     # Every step is padded as a graph replay would pad it (uniform decodes to FULL keys with
     # padded requests, other steps to PIECEWISE sizes); on a CPU it then runs eagerly.
     runner.dispatcher = CudagraphDispatcher([4, 8, 16, 32, 64], CUDAGraphMode.FULL_AND_PIECEWISE, max_num_seqs=8)
@@ -60,7 +60,7 @@ def test_padded_tails_of_the_buffers(tiny_llama):
     engine.add_request("a", "hello there", SamplingParams(max_tokens=5))
     engine.add_request("b", "good morning", SamplingParams(max_tokens=5))
     engine.step()  # prefill both; the next step is a uniform decode of 2 requests
-    runner = engine.engine_core.runner
+    runner = engine.engine_core.executor.driver
     rows = np.array([runner.batch.row_of["a"], runner.batch.row_of["b"]])
     runner.batch.num_computed_tokens[rows] = runner.batch.num_tokens[rows] - 1
     metadata, _ = runner.inputs.prepare(runner.batch, rows, np.array([1, 1]), num_decodes=2, padded_tokens=4,

@@ -17,7 +17,7 @@ from compiled_llm.models.dummy import write_dummy_model
 def test_profile_run_takes_the_largest_step_and_writes_nothing(tiny_llama, max_num_seqs, max_num_batched_tokens):
     llm = LLM(tiny_llama, optimization_level=0, max_model_len=128, max_num_seqs=max_num_seqs,
               max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory_bytes=4 << 20)
-    runner = llm.llm_engine.engine_core.runner
+    runner = llm.llm_engine.engine_core.executor.driver
     before = [cache.clone() for cache in runner.kv_caches]
     seen = []
     forward = runner.model_forward
@@ -44,7 +44,7 @@ def test_gpu_kv_cache_takes_what_the_memory_utilization_leaves(tmp_path):
     held_before = torch.cuda.memory_allocated()
     llm = LLM(folder, load_format="dummy", dtype="bfloat16", optimization_level=0, max_model_len=1024,
               max_num_seqs=16, max_num_batched_tokens=512, gpu_memory_utilization=utilization)
-    runner = llm.llm_engine.engine_core.runner
+    runner = llm.llm_engine.engine_core.executor.driver
     kv_bytes = sum(cache.numel() * cache.element_size() for cache in runner.kv_caches)
     # Weights (~0.3 GiB) and one 512-token step are small next to a quarter of an H200.
     assert kv_bytes >= 0.8 * (utilization * total - held_before)

@@ -1,0 +1,40 @@
+"""Which compile cache entry an engine's settings select: the engine's side of the cache key.
+
+`compilation/` knows nothing of engines; this turns an `EngineConfig` and a tensor-parallel rank
+into the plain values its `compute_factors` hashes, and builds the cache entry, signing key
+included. No model is built (every source file of the package, the models' included, is
+hashed), so `precompile --print-cache-key` answers at once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from compiled_llm.compilation.cache_key import cache_key, compute_factors, package_sources
+from compiled_llm.compilation.compile_cache import CompileCache, read_signing_key
+from compiled_llm.config import EngineConfig
+from compiled_llm.kernels.cpu_extension import uses_cpu_kernels
+
+
+def engine_cache_factors(config: EngineConfig, rank: int) -> dict[str, Any]:
+    """The factors of the entry tensor-parallel `rank` of an engine with these settings uses."""
+    mc = config.model_config
+    return compute_factors(
+        hf_config=mc.hf_config,
+        dtype=mc.dtype,
+        device=config.torch_device,
+        compilation_config=config.compilation_config,
+        max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
+        source_files=package_sources(),
+        cpu_kernels=uses_cpu_kernels(config.torch_device, mc.dtype),  # what the model's layers call
+        tensor_parallel=(rank, config.parallel_config.tensor_parallel_size),
+    )
+
+
+def engine_compile_cache(config: EngineConfig, rank: int) -> CompileCache:
+    """The compile cache entry `rank` reads and fills (a bad signing key file raises here)."""
+    compilation = config.compilation_config
+    factors = engine_cache_factors(config, rank)
+    key_file = compilation.cache_signing_key_file
+    signing_key = read_signing_key(key_file) if key_file else None
+    return CompileCache(compilation.cache_dir, cache_key(factors), factors, signing_key)
