@@ -33,14 +33,42 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 
 from compiled_llm.config import CacheConfig, SchedulerConfig
+from compiled_llm.core.block_pool import KVCacheBlock
 from compiled_llm.core.kv_cache_manager import KVCacheManager
 from compiled_llm.core.request import Request, RequestStatus
 from compiled_llm.core.request_queue import make_request_queue
 from compiled_llm.messages.engine_core import EngineCoreOutput, SchedulerStats
 from compiled_llm.messages.runner_output import ModelRunnerOutput
 from compiled_llm.messages.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+
+
+@dataclass
+class _StepPlan:
+    """One `schedule` call in the making: the token budget left and what it has given out."""
+
+    token_budget: int
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    # Prompt tokens each scheduled request computes (a prompt's chunk, or a recomputed one), for the stats.
+    prompt_tokens: dict[str, int] = field(default_factory=dict)
+    preempted: bool = False  # someone lacked room: no waiting request is admitted
+
+    def take(self, request: Request, num_tokens: int) -> None:
+        """`num_tokens` of the budget for `request`, from its `num_computed_tokens` on."""
+        self.num_scheduled_tokens[request.request_id] = num_tokens
+        self.token_budget -= num_tokens
+        prompt_left = request.num_prompt_tokens - request.num_computed_tokens
+        self.prompt_tokens[request.request_id] = max(0, min(num_tokens, prompt_left))
+
+    def give_back(self, request_id: str) -> None:
+        """Undo `take` for a request preempted later in the same step."""
+        self.token_budget += self.num_scheduled_tokens.pop(request_id)
+        del self.prompt_tokens[request_id]
+        self.cached_reqs = [c for c in self.cached_reqs if c.req_id != request_id]
 
 
 class Scheduler:
@@ -107,98 +135,102 @@ class Scheduler:
 
     # ---- one step -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
-        num_scheduled: dict[str, int] = {}
-        new_reqs: list[NewRequestData] = []
-        cached_reqs: list[CachedRequestData] = []
-        prompt_counted: dict[str, int] = {}
-        preempted = False
-
+        """Plan the next step (running requests first, then waiting ones) and hand the runner what
+        changed since the last."""
+        plan = _StepPlan(self.config.max_num_batched_tokens)
         if self.async_scheduling:
             self._release_finishing()
-        index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            num_new = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens, budget)
-            if num_new <= 0:
-                index += 1
+        self._schedule_running(plan)
+        if not plan.preempted:  # waiting requests are admitted only when nobody lacked room
+            self._schedule_waiting(plan)
+        return self._build_output(plan)
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        """Give each running request, in order, its next tokens within the budget, preempting
+        others (or at last itself) when its blocks do not fit."""
+        for request in list(self.running):
+            if plan.token_budget <= 0:
+                break
+            if request.status == RequestStatus.PREEMPTED:  # a victim earlier in this step
                 continue
-            while True:
-                new_blocks = self.kv.allocate_slots(request, num_new)
-                if new_blocks is not None:
-                    break
-                victim = self._pick_victim()
-                position = self.running.index(victim)
-                del self.running[position]
-                if position < index:  # already passed over (and maybe given tokens this step)
-                    index -= 1
-                if victim.request_id in num_scheduled:  # already given tokens this step: undo
-                    budget += num_scheduled.pop(victim.request_id)
-                    self._prompt_tokens -= prompt_counted.pop(victim.request_id)
-                    cached_reqs = [c for c in cached_reqs if c.req_id != victim.request_id]
-                self._preempt(victim)
-                preempted = True
-                if victim is request:
-                    break
+            computable = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
+            num_new = min(computable, plan.token_budget)
+            if num_new <= 0:
+                continue
+            new_blocks = self._allocate_preempting(request, num_new, plan)
             if new_blocks is None:  # preempted itself: nothing left to try
                 break
-            num_scheduled[request.request_id] = num_new
-            budget -= num_new
-            # The rest of a chunked prompt (or a recomputed one) counts as prompt tokens too.
-            prompt = max(0, min(num_new, request.num_prompt_tokens - request.num_computed_tokens))
-            prompt_counted[request.request_id] = prompt
-            self._prompt_tokens += prompt
-            cached_reqs.append(
-                CachedRequestData(request.request_id, [b.block_id for b in new_blocks], request.num_computed_tokens)
-            )
-            index += 1
+            plan.take(request, num_new)
+            block_ids = [b.block_id for b in new_blocks]
+            plan.cached_reqs.append(CachedRequestData(request.request_id, block_ids, request.num_computed_tokens))
 
-        # Admit waiting requests only when nobody had to be preempted for lack of room.
+    def _allocate_preempting(self, request: Request, num_new: int, plan: _StepPlan) -> list[KVCacheBlock] | None:
+        """Blocks for `num_new` more tokens of a running request, preempting victims until they fit;
+        None once the request itself was the victim."""
+        while (new_blocks := self.kv.allocate_slots(request, num_new)) is None:
+            victim = self._pick_victim()
+            self.running.remove(victim)
+            if victim.request_id in plan.num_scheduled_tokens:  # already given tokens this step
+                plan.give_back(victim.request_id)
+            self._preempt(victim)
+            plan.preempted = True
+            if victim is request:
+                return None
+        return new_blocks
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        """Admit waiting requests in the policy's order (passing over a group at its share) while
+        the budget, the running slots and the blocks last."""
         per_group: Counter[str] | None = None  # running requests per group, counted once needed
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and plan.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             if per_group is None:
                 per_group = Counter(r.group for r in self.running)
             request = self._next_admissible(per_group)
-            if request is None:
+            if request is None or not self._admit(request, plan):
                 break
-            computed_blocks, num_hit = [], 0
-            looked_up = request.num_computed_tokens == 0 and not request.skips_prefix_cache
-            if looked_up:
-                computed_blocks, num_hit = self.kv.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_hit, budget)
-            request.num_computed_tokens = num_hit
-            if self.kv.allocate_slots(request, num_new, computed_blocks) is None:
-                request.num_computed_tokens = 0
-                break
-            if request is self.waiting.peek():
-                self.waiting.pop()
-            else:  # passed over a group at its share
-                self.waiting.remove(request)
             per_group[request.group] += 1
-            if looked_up:
-                self.kv.record_prefix_lookup(request, num_hit)
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit
-                request.first_scheduled_time = time.time()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            num_scheduled[request.request_id] = num_new
-            budget -= num_new
-            self._prompt_tokens += max(0, min(num_new, request.num_prompt_tokens - num_hit))
-            new_reqs.append(
-                NewRequestData(
-                    request.request_id,
-                    list(request.all_token_ids),
-                    request.num_prompt_tokens,
-                    request.sampling_params,
-                    self.kv.block_ids(request.request_id),
-                    num_hit,
-                )
-            )
 
-        # Scheduled tokens count as computed from now on: the step computes them.
+    def _admit(self, request: Request, plan: _StepPlan) -> bool:
+        """Start (or resume) a waiting request: its prefix-cache hit, then blocks for as many
+        tokens as the budget allows. False, and nothing changed, when the blocks do not fit."""
+        computed_blocks, num_hit = [], 0
+        looked_up = request.num_computed_tokens == 0 and not request.skips_prefix_cache
+        if looked_up:
+            computed_blocks, num_hit = self.kv.get_computed_blocks(request)
+        num_new = min(request.num_tokens - num_hit, plan.token_budget)
+        request.num_computed_tokens = num_hit
+        if self.kv.allocate_slots(request, num_new, computed_blocks) is None:
+            request.num_computed_tokens = 0
+            return False
+        if request is self.waiting.peek():
+            self.waiting.pop()
+        else:  # passed over a group at its share
+            self.waiting.remove(request)
+        if looked_up:
+            self.kv.record_prefix_lookup(request, num_hit)
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit
+            request.first_scheduled_time = time.time()
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        plan.take(request, num_new)
+        plan.new_reqs.append(
+            NewRequestData(
+                request.request_id,
+                list(request.all_token_ids),
+                request.num_prompt_tokens,
+                request.sampling_params,
+                self.kv.block_ids(request.request_id),
+                num_hit,
+            )
+        )
+        return True
+
+    def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
+        """Count the planned tokens as computed from now on (the step computes them) and hand the
+        runner what changed."""
         constrained: list[str] = []
-        for rid, n in num_scheduled.items():
+        for rid, n in plan.num_scheduled_tokens.items():
             request = self.requests[rid]
             request.num_computed_tokens += n
             samples = request.num_computed_tokens == request.num_tokens + request.num_output_placeholders
@@ -206,11 +238,12 @@ class Scheduler:
                 constrained.append(rid)
             if self.async_scheduling and samples:
                 request.num_output_placeholders += 1  # its token is known a step later
+        self._prompt_tokens += sum(plan.prompt_tokens.values())
         output = SchedulerOutput(
-            new_reqs,
-            cached_reqs,
-            num_scheduled,
-            sum(num_scheduled.values()),
+            plan.new_reqs,
+            plan.cached_reqs,
+            plan.num_scheduled_tokens,
+            sum(plan.num_scheduled_tokens.values()),
             self.finished_req_ids,
             self.preempted_req_ids,
             constrained,
@@ -269,41 +302,53 @@ class Scheduler:
                 request.num_output_placeholders -= 1  # (asynchronous) the token it stood for
             elif request.status != RequestStatus.RUNNING:
                 continue
-            new_tokens: list[int] = []
-            if request.max_tokens == 0:  # scoring a prompt: its logprobs are the result, no token
-                request.status = RequestStatus.FINISHED_LENGTH
-                sampled = []
-            for token in sampled:
-                request.append_output_token(token)
-                new_tokens.append(token)
-                if request.grammar is not None:
-                    request.grammar.accept(rid, token)
-                if self._check_stop(request):
-                    break
-            self._generation_tokens += len(new_tokens)
-            out = EngineCoreOutput(
-                rid,
-                new_tokens,
-                runner_output.logprobs.get(rid) if new_tokens else None,
-                num_cached_tokens=max(request.num_cached_tokens, 0),
-                new_prompt_logprobs=runner_output.prompt_logprobs.get(rid),
-                scheduled_time=request.first_scheduled_time or 0.0,
-            )
-            request.first_scheduled_time = None  # sent once, with the first output
+            outputs.append(self._accept_sampled(request, sampled, runner_output))
             if request.status.finished:
-                out.finish_reason = request.status.finish_reason
-                out.stop_reason = request.stop_reason
                 stopped.append(request)
-            outputs.append(out)
         if stopped:
-            stopped_ids = {r.request_id for r in stopped}
-            self.running = [r for r in self.running if r.request_id not in stopped_ids]
-            for request in stopped:
-                # (asynchronous) It may have left the batch already: ending, or preempted with a token in flight.
-                if self.finishing.pop(request.request_id, None) is None and request in self.waiting:
-                    self.waiting.remove(request)
-                self._finish(request, request.status)
+            self._remove_stopped(stopped)
         return outputs
+
+    def _accept_sampled(
+        self, request: Request, sampled: list[int], runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutput:
+        """Append a step's sampled tokens to the request up to its first stop, and say what it got."""
+        rid = request.request_id
+        new_tokens: list[int] = []
+        if request.max_tokens == 0:  # scoring a prompt: its logprobs are the result, no token
+            request.status = RequestStatus.FINISHED_LENGTH
+            sampled = []
+        for token in sampled:
+            request.append_output_token(token)
+            new_tokens.append(token)
+            if request.grammar is not None:
+                request.grammar.accept(rid, token)
+            if self._check_stop(request):
+                break
+        self._generation_tokens += len(new_tokens)
+        out = EngineCoreOutput(
+            rid,
+            new_tokens,
+            runner_output.logprobs.get(rid) if new_tokens else None,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            new_prompt_logprobs=runner_output.prompt_logprobs.get(rid),
+            scheduled_time=request.first_scheduled_time or 0.0,
+        )
+        request.first_scheduled_time = None  # sent once, with the first output
+        if request.status.finished:
+            out.finish_reason = request.status.finish_reason
+            out.stop_reason = request.stop_reason
+        return out
+
+    def _remove_stopped(self, stopped: list[Request]) -> None:
+        """Finish requests that stopped in this output, wherever they sit now."""
+        stopped_ids = {r.request_id for r in stopped}
+        self.running = [r for r in self.running if r.request_id not in stopped_ids]
+        for request in stopped:
+            # (asynchronous) It may have left the batch already: ending, or preempted with a token in flight.
+            if self.finishing.pop(request.request_id, None) is None and request in self.waiting:
+                self.waiting.remove(request)
+            self._finish(request, request.status)
 
     def _check_stop(self, request: Request) -> bool:
         token = request.all_token_ids[-1]
