@@ -79,7 +79,7 @@ def main() -> None:
 
     if not cpu_kernels_available():
         raise SystemExit("the C++ CPU kernels could not be built")
-    from compiled_llm.models.bundled import bundled_model_path
+    from compiled_llm.bundled_model import bundled_model_path
 
     layers, layer_shapes, (vocab, hidden) = model_shapes(args.model or str(bundled_model_path()))
     names = args.routes.split(",")

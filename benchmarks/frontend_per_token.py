@@ -31,10 +31,10 @@ from machine import format_machine, machine_report
 from transformers import AutoTokenizer
 from workload import english_like_ids
 
+from compiled_llm.bundled_model import bundled_model_path
 from compiled_llm.engine.output_processor import OutputProcessor
 from compiled_llm.entrypoints.openai.stream_events import chat_choice, chat_chunk, content_delta
 from compiled_llm.messages.engine_core import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
-from compiled_llm.models.bundled import bundled_model_path
 from compiled_llm.sampling_params import RequestOutputKind, SamplingParams
 
 

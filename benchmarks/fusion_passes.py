@@ -29,7 +29,7 @@ from machine import default_threads, format_machine, machine_report
 from torch.profiler import ProfilerActivity, profile
 
 from compiled_llm import LLM, SamplingParams
-from compiled_llm.models.bundled import bundled_model_path
+from compiled_llm.bundled_model import bundled_model_path
 
 PROFILED_INDUCTOR = {"size_asserts": False, "cpp.threads": 1, "cpp.enable_kernel_profile": True}
 

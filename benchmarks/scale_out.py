@@ -137,7 +137,7 @@ def main() -> None:
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
-    from compiled_llm.models.bundled import bundled_model_path
+    from compiled_llm.bundled_model import bundled_model_path
 
     model = args.model or str(bundled_model_path())
     tokenizer = AutoTokenizer.from_pretrained(model)

@@ -290,7 +290,7 @@ def main() -> None:
 
     model = args.model
     if model is None:
-        from compiled_llm.models.bundled import bundled_model_path
+        from compiled_llm.bundled_model import bundled_model_path
 
         model = str(bundled_model_path())
     levels = [int(c) for c in (args.concurrency or ("1,8" if args.quick else "1,8,32")).split(",")]

