@@ -223,7 +223,6 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     kv_cache_memory_bytes: int | None = None  # None: measured (GPU) or a share of free memory (CPU)
     gpu_memory_utilization: float = 0.9
-    num_blocks: int | None = None  # decided by the model runner from the memory budget, at start-up
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -283,7 +283,7 @@ def start_engine_core(
     proc = EngineCoreProc(engine, input_address, output_address, engine_index)
     return proc, Handshake(
         ok=True,
-        num_blocks=config.cache_config.num_blocks or 0,
+        num_blocks=engine.num_blocks,
         load_seconds=engine.executor.load_seconds,
         kv_seconds=engine.kv_seconds,
         startup_seconds=engine.startup_seconds,

@@ -45,12 +45,12 @@ class EngineCore:
         self.executor = make_executor(config, exit_on_worker_death)
         logger.info("Model weights loaded in %.2f s.", self.executor.load_seconds)
         t = time.perf_counter()
-        num_blocks = min(self.executor.collective_rpc("determine_num_blocks"))  # what fits on every rank
-        config.cache_config.num_blocks = num_blocks
-        self.executor.collective_rpc("initialize_kv_cache", num_blocks)
+        # What fits on every rank: a result of start-up, kept here (the config stays as it was resolved).
+        self.num_blocks: int = min(self.executor.collective_rpc("determine_num_blocks"))
+        self.executor.collective_rpc("initialize_kv_cache", self.num_blocks)
         self.kv_seconds = time.perf_counter() - t
         self.executor.collective_rpc("compile_or_warm_up")
-        self.scheduler = Scheduler(config.scheduler_config, config.cache_config)
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.num_blocks)
         self._in_flight: deque[tuple[SchedulerOutput, AsyncModelRunnerOutput]] = deque()  # launched, not accounted
         self.structured_outputs: StructuredOutputManager | None = None  # made by the first constrained request
         self.startup_seconds = time.perf_counter() - started

@@ -72,11 +72,11 @@ class _StepPlan:
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
-        assert cache_config.num_blocks is not None, "the KV cache size must be known"
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int) -> None:
+        """`num_blocks`: the KV cache's size, which the runners decide at start-up from their memory."""
         self.config = scheduler_config
         self.block_size = cache_config.block_size
-        self.kv = KVCacheManager(cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
         self.waiting = make_request_queue(scheduler_config.policy)
         self.running: list[Request] = []

@@ -111,7 +111,6 @@ class AsyncMPClient:
         self._send_queue: asyncio.Queue[list[bytes]] | None = None
         self._sender: asyncio.Task | None = None
 
-        self._config = config
         self._started = time.perf_counter()
         try:
             self.output_socket.bind(self.engine.output_bind_address)
@@ -130,7 +129,6 @@ class AsyncMPClient:
         except BaseException:
             self.shutdown()
             raise
-        self._config.cache_config.num_blocks = handshake.num_blocks
         if not self.engine.owns_engine:
             return  # its owner started it and said so
         total = time.perf_counter() - self._started

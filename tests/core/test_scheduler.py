@@ -20,8 +20,8 @@ EOS = 2
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=4, budget=16, max_model_len=64, caching=True,
                    policy="fcfs"):
-    cache = CacheConfig(block_size=block_size, enable_prefix_caching=caching, num_blocks=num_blocks)
-    return Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len, policy), cache)
+    cache = CacheConfig(block_size=block_size, enable_prefix_caching=caching)
+    return Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len, policy), cache, num_blocks)
 
 
 def req(rid: str, n_prompt: int, max_tokens: int = 4, block_size: int = 4, **kw) -> Request:
