@@ -77,3 +77,30 @@ def test_auto_tool_choice_needs_a_parser():
     """Refused before the engine starts, in one line naming the missing flag."""
     out = cli("serve", "--enable-auto-tool-choice")
     assert out.returncode == 1 and "--tool-call-parser" in out.stderr
+
+
+def test_server_flags_reach_server_args():
+    from compiled_llm.entrypoints.openai.server_args import ServerArgs
+
+    args = build_parser().parse_args(["serve", "--port", "9", "--max-n", "4", "--stream-interval", "2",
+                                      "--tool-call-parser", "xlam", "--enable-auto-tool-choice"])
+    assert ServerArgs.from_cli_args(args) == ServerArgs(port=9, max_n=4, stream_interval=2, tool_call_parser="xlam",
+                                                        enable_auto_tool_choice=True)
+    assert ServerArgs.from_cli_args(build_parser().parse_args(["serve"])) == ServerArgs()
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--api-server-count", "0"])
+
+
+def test_help_lists_developer_knobs_last(capsys):
+    """The flags most users set come first; the compiler's and CUDA graphs' knobs and the dummy
+    weights sit in the advanced group at the end."""
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    text = capsys.readouterr().out
+    advanced = text.index("\nadvanced:")
+    for knob in ("--compile-passes", "--inductor-options", "--cudagraph-mode", "--cudagraph-capture-sizes",
+                 "--load-format"):
+        assert text.index(f"\n  {knob}") > advanced, knob
+    for common in ("--dtype", "--max-model-len", "--tensor-parallel-size", "--data-parallel-size", "--compile-cache",
+                   "--host", "--port"):
+        assert text.index(f"\n  {common}") < advanced, common
