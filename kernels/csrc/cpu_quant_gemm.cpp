@@ -1,0 +1,369 @@
+// Linear layers over 8- and 4-bit weights on CPUs: y = x W^T + b with float32 activations, the
+// weights de-quantized in registers inside the GEMM, never into a float32 copy.
+//
+// Why: a decode step streams every weight once, so its time is the weight bytes over the read
+// bandwidth; 8-bit weights are about a quarter of float32's bytes, 4-bit about a sixth (with
+// their scales). The formats GGUF files ship (Q8_0, Q4_0, Q4_1) and the weight-only int8 and int4
+// of gpt-fast and torchao are one format here: per output feature n and group g of `group_size`
+// consecutive inputs (the last one shorter where K is not a multiple: 576 = 4 x 128 + 64),
+//     w[n, k] = scale[n, g] * q[n, k]  (+ min[n, g] for 4-bit),
+// q int8 for 8-bit (symmetric), 0..15 for 4-bit (asymmetric: Q4_1's d q + m; Q4_0's (q - 8) d is
+// d q + (-8 d), exact in float32). Scales and mins are float32 (GGUF's fp16 ones convert exactly).
+//
+// Layout: panels of NR output features as in the fp32 GEMM (cpu_gemm.cpp), a uint8 tensor
+// [panels, panel bytes]. Inside a panel, one block per group: the NR scales, the NR mins (4-bit),
+// then the group's q at each k for the NR features (NR bytes; 4-bit: NR / 2 bytes, byte i holding
+// feature i in its low nibble and feature NR / 2 + i in its high one, so one zero-extension and a
+// mask or a shift give both vectors). Every block is a multiple of 64 bytes, and a pass reads each
+// panel as one sequential stream.
+//
+// Two micro-kernels, both NR wide:
+// - few rows (decode): per group, sum_k (s q_k + m) x_k = s * sum_k q_k x_k + m * sum_k x_k, so the
+//   inner loop only converts q to float and multiplies it by x; each group ends with one FMA by
+//   the scales and one by the mins times the row's sum of x over the group (summed once per call).
+//   Its accumulators are twice the rows', which bounds it to a few rows.
+// - many rows (prefill): each k's weights are de-quantized once (convert, one FMA with the
+//   group's scales and mins held in registers) and used by every row of the block, as the fp32
+//   micro-kernel uses its loaded weights: a few operations per weight vector, shared by up to 12
+//   rows.
+// A call with at most `few_rows` rows takes the first, any other the second.
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "huge_pages.h"
+#include "panel_gemm.h"
+#include "parallel.h"
+#include "vec.h"
+#include "widen.h"
+
+namespace {
+
+using namespace compiled_llm_cpu;
+
+constexpr int64_t kNativePanel = 2 * kNativeLanes;
+// A decode pass is bound by reading the weights: each group asks for the bytes this far ahead (as
+// the fp32 GEMM does per k), so the loads in flight keep the memory bus busy across page boundaries.
+constexpr int64_t kPrefetchBytes = 4096;
+// Packed bytes per work item. Smaller than the fp32 GEMM's 128 KB: a byte of 4-bit weights is four
+// times the arithmetic of a byte of floats, and a decode projection must still split into enough
+// items for every thread.
+constexpr int64_t kItemBytes = 32 * 1024;
+
+// Bytes of one group's block in a panel of NR features: the scales (and mins), then the q values
+// of its `length` inputs; and of a whole panel.
+constexpr int64_t scale_bytes(int64_t NR, int64_t bits) { return NR * static_cast<int64_t>(sizeof(float)) * (bits == 4 ? 2 : 1); }
+constexpr int64_t block_bytes(int64_t NR, int64_t bits, int64_t length) { return scale_bytes(NR, bits) + length * NR * bits / 8; }
+constexpr int64_t group_count(int64_t K, int64_t G) { return (K + G - 1) / G; }
+constexpr int64_t panel_bytes(int64_t NR, int64_t bits, int64_t K, int64_t G) {
+  return group_count(K, G) * scale_bytes(NR, bits) + K * NR * bits / 8;
+}
+
+// The NV weight vectors of one k, q converted to float (not yet scaled).
+template <typename V, int NV, int Bits>
+inline void load_q(const uint8_t* __restrict p, V (&w)[NV]) {
+  constexpr int L = lanes<V>();
+  if constexpr (Bits == 8) {
+    for (int j = 0; j < NV; j++)
+      w[j] = __builtin_convertvector(widen_s8<V>(reinterpret_cast<const int8_t*>(p) + j * L), V);
+  } else {
+    static_assert(NV % 2 == 0, "4-bit panels hold their vectors in pairs (low and high nibbles)");
+    for (int j = 0; j < NV; j += 2) {
+      const ints_of<V> both = widen_u8<V>(p + j / 2 * L);
+      w[j] = __builtin_convertvector(both & 15, V);
+      w[j + 1] = __builtin_convertvector(both >> 4, V);
+    }
+  }
+}
+
+inline void prefetch_bytes(const uint8_t* p, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 0);
+}
+
+// Rows per micro-kernel call, as many as the registers hold (32 zmm with AVX-512, 16 ymm with
+// AVX2). Many rows: MR x NV accumulators, NV weights, NV scales, NV mins, one broadcast. Few rows:
+// twice the accumulators (the group's and the total), NV weights, one broadcast.
+template <typename V>
+constexpr int many_rows() {
+  return lanes<V>() == 16 && kNativePanel == 32 ? 12 : 4;
+}
+template <typename V>
+constexpr int few_rows() {
+  return lanes<V>() == 16 && kNativePanel == 32 ? 6 : 3;
+}
+
+// y[0:MR, 0:cols] = x[0:MR, :] . dequant(panel) + bias, group by group through sums of q x.
+// `xsum` holds each row's sums of x per group (row stride `groups`).
+template <typename V, int NV, int MR, int Bits>
+void few_rows_kernel(const float* __restrict x, int64_t xs, const float* __restrict xsum, const uint8_t* __restrict panel,
+                     int64_t K, int64_t G, float* __restrict y, int64_t ys, int64_t cols,
+                     const float* __restrict bias) {
+  constexpr int L = lanes<V>();
+  constexpr int NR = NV * L;
+  constexpr int64_t step = NR * Bits / 8;  // q bytes per k
+  // Few rows are bound by memory and the conversions; KU interleaved streams of k with their own
+  // accumulators keep the FMA latency chains from bounding them.
+  constexpr int KU = MR <= 2 ? 2 : 1;
+  const int64_t block = block_bytes(NR, Bits, G), groups = group_count(K, G);
+  V total[MR][NV];
+  for (int m = 0; m < MR; m++)
+    for (int j = 0; j < NV; j++) total[m][j] = V{};
+  for (int64_t g = 0; g < groups; g++) {
+    const uint8_t* blk = panel + g * block;
+    if constexpr (MR <= 4) prefetch_bytes(blk + kPrefetchBytes, block);
+    const uint8_t* q = blk + scale_bytes(NR, Bits);
+    const float* xg = x + g * G;
+    const int64_t length = std::min(G, K - g * G);
+    V acc[KU][MR][NV];
+    for (int u = 0; u < KU; u++)
+      for (int m = 0; m < MR; m++)
+        for (int j = 0; j < NV; j++) acc[u][m][j] = V{};
+    for (int64_t k = 0; k < length; k += KU) {  // a multiple of 32
+#pragma GCC unroll 2
+      for (int u = 0; u < KU; u++) {
+        V w[NV];
+        load_q<V, NV, Bits>(q + (k + u) * step, w);
+#pragma GCC unroll 8
+        for (int m = 0; m < MR; m++) {
+          const V a = splat<V>(xg[m * xs + k + u]);
+#pragma GCC unroll 4
+          for (int j = 0; j < NV; j++) acc[u][m][j] += a * w[j];
+        }
+      }
+    }
+    const float* scale = reinterpret_cast<const float*>(blk);
+    for (int j = 0; j < NV; j++) {
+      const V s = load<V>(scale + j * L);
+      for (int m = 0; m < MR; m++) {
+        V sum = acc[0][m][j];
+        for (int u = 1; u < KU; u++) sum += acc[u][m][j];
+        total[m][j] += s * sum;
+      }
+    }
+    if constexpr (Bits == 4) {
+      const float* mins = scale + NR;
+      for (int j = 0; j < NV; j++) {
+        const V mn = load<V>(mins + j * L);
+        for (int m = 0; m < MR; m++) total[m][j] += mn * splat<V>(xsum[m * groups + g]);
+      }
+    }
+  }
+  store_tile<V, NV, MR>(total, y, ys, cols, bias);
+}
+
+// y[0:MR, 0:cols] = x[0:MR, :] . dequant(panel) + bias, each k's weights de-quantized once for
+// all MR rows.
+template <typename V, int NV, int MR, int Bits>
+void many_rows_kernel(const float* __restrict x, int64_t xs, const uint8_t* __restrict panel, int64_t K, int64_t G,
+                      float* __restrict y, int64_t ys, int64_t cols, const float* __restrict bias) {
+  constexpr int L = lanes<V>();
+  constexpr int NR = NV * L;
+  constexpr int64_t step = NR * Bits / 8;
+  const int64_t block = block_bytes(NR, Bits, G), groups = group_count(K, G);
+  V acc[MR][NV];
+  for (int m = 0; m < MR; m++)
+    for (int j = 0; j < NV; j++) acc[m][j] = V{};
+  for (int64_t g = 0; g < groups; g++) {
+    const uint8_t* blk = panel + g * block;
+    const float* scale = reinterpret_cast<const float*>(blk);
+    const uint8_t* q = blk + scale_bytes(NR, Bits);
+    const float* xg = x + g * G;
+    const int64_t length = std::min(G, K - g * G);
+    V s[NV], mn[NV];
+    for (int j = 0; j < NV; j++) {
+      s[j] = load<V>(scale + j * L);
+      mn[j] = Bits == 4 ? load<V>(scale + NR + j * L) : V{};
+    }
+    for (int64_t k = 0; k < length; k++) {
+      V w[NV];
+      load_q<V, NV, Bits>(q + k * step, w);
+      for (int j = 0; j < NV; j++) w[j] = Bits == 4 ? w[j] * s[j] + mn[j] : w[j] * s[j];
+#pragma GCC unroll 16
+      for (int m = 0; m < MR; m++) {
+        const V a = splat<V>(xg[m * xs + k]);
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; j++) acc[m][j] += a * w[j];
+      }
+    }
+  }
+  store_tile<V, NV, MR>(acc, y, ys, cols, bias);
+}
+
+// One block of `rows` rows (at most many_rows) against one panel, by the kernel the call's row
+// count picks (`few`: every call's rows fit few_rows).
+template <typename V, int NV, int Bits>
+void rows_block(bool few, int rows, const float* x, int64_t xs, const float* xsum, const uint8_t* panel, int64_t K,
+                int64_t G, float* y, int64_t ys, int64_t cols, const float* bias) {
+  if (few) {
+    switch (rows) {
+#define CASE(R) \
+  case R:       \
+    if constexpr (R <= few_rows<V>()) return few_rows_kernel<V, NV, R, Bits>(x, xs, xsum, panel, K, G, y, ys, cols, bias);
+      CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6)
+#undef CASE
+    }
+    return;
+  }
+  switch (rows) {
+#define CASE(R) \
+  case R:       \
+    if constexpr (R <= many_rows<V>()) return many_rows_kernel<V, NV, R, Bits>(x, xs, panel, K, G, y, ys, cols, bias);
+    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(9) CASE(10) CASE(11) CASE(12)
+#undef CASE
+  }
+}
+
+// Each row's sums of x over each group: xsum[m * groups + g].
+template <typename V>
+std::vector<float> group_sums(const float* x, int64_t xs, int64_t M, int64_t K, int64_t G) {
+  constexpr int L = lanes<V>();
+  const int64_t groups = group_count(K, G);
+  std::vector<float> sums(M * groups);
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t g = 0; g < groups; g++) {
+      const float* p = x + m * xs + g * G;
+      const int64_t length = std::min(G, K - g * G);  // a multiple of 32
+      V acc = V{};
+      for (int64_t k = 0; k < length; k += L) acc += load<V>(p + k);
+      sums[m * groups + g] = reduce_sum(acc);
+    }
+  return sums;
+}
+
+template <typename V, int NV, int Bits>
+void quantized_gemm(const float* x, int64_t xs, int64_t M, const uint8_t* packed, int64_t K, int64_t N, int64_t G,
+                    const float* bias, float* y) {
+  constexpr int64_t NR = NV * lanes<V>();
+  const int64_t groups = group_count(K, G), panels = (N + NR - 1) / NR;
+  const int64_t stride = panel_bytes(NR, Bits, K, G);
+  const bool few = M <= few_rows<V>();
+  std::vector<float> xsum;
+  if (few && Bits == 4) xsum = group_sums<V>(x, xs, M, K, G);
+  constexpr int R = many_rows<V>();
+  parallel_panels(M, K, panels, stride, kItemBytes, R, [&](int64_t m0, int64_t m1, int64_t p) {
+    const uint8_t* panel = packed + p * stride;
+    const int64_t n0 = p * NR, cols = std::min(NR, N - n0);
+    const float* b = bias ? bias + n0 : nullptr;
+    for (int64_t m = m0; m < m1; m += R) {
+      const int rows = static_cast<int>(std::min<int64_t>(R, m1 - m));
+      const float* sums = xsum.empty() ? nullptr : xsum.data() + m * groups;
+      rows_block<V, NV, Bits>(few, rows, x + m * xs, xs, sums, panel, K, G, y + m * N + n0, N, cols, b);
+    }
+  });
+}
+
+// The format's rules, checked alike when packing and when computing.
+void check_format(int64_t bits, int64_t group_size, int64_t K) {
+  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4, got ", bits);
+  TORCH_CHECK(K > 0 && K % 32 == 0, "in_features must be a multiple of 32 for quantized weights, got ", K);
+  TORCH_CHECK(group_size == 32 || group_size == 64 || group_size == 128 || group_size == K,
+              "group_size must be 32, 64, 128 or in_features (", K, "), got ", group_size);
+}
+
+// Repacks q [N, K] (int8 for 8-bit; uint8 holding 0..15 for 4-bit), scales [N, groups] and (4-bit)
+// mins [N, groups], float32 (groups = ceil(K / group_size)), into [panels, panel bytes] uint8.
+at::Tensor pack_quantized_weight(const at::Tensor& q, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
+                                 int64_t bits, int64_t group_size, int64_t panel) {
+  TORCH_CHECK(q.dim() == 2, "q must be 2-D [out_features, in_features], got ", q.sizes());
+  const int64_t N = q.size(0), K = q.size(1);
+  check_format(bits, group_size, K);
+  if (panel <= 0) panel = kNativePanel;
+  TORCH_CHECK(panel == 16 || panel == 32, "panel width must be 16 or 32, got ", panel);
+  const int64_t G = group_size, groups = group_count(K, G);
+  if (bits == 8) {
+    TORCH_CHECK(q.scalar_type() == at::kChar, "8-bit q must be int8, got ", q.scalar_type());
+    TORCH_CHECK(!mins.has_value(), "8-bit weights are symmetric: mins must be None");
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kByte, "4-bit q must be uint8 holding 0..15, got ", q.scalar_type());
+    TORCH_CHECK(mins.has_value(), "4-bit weights need mins (w = scale * q + min; Q4_0's min is -8 * scale)");
+    const int largest = N == 0 ? 0 : q.max().item<uint8_t>();
+    TORCH_CHECK(largest <= 15, "4-bit q must hold values 0..15, found ", largest);
+  }
+  auto check_params = [&](const at::Tensor& t, const char* name) {
+    TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
+    TORCH_CHECK(t.dim() == 2 && t.size(0) == N && t.size(1) == groups, name, " must be [out_features, ceil(in_features / group_size)] = [",
+                N, ", ", groups, "], got ", t.sizes());
+  };
+  check_params(scales, "scales");
+  if (mins.has_value()) check_params(*mins, "mins");
+  const at::Tensor qc = q.contiguous(), sc = scales.contiguous();
+  const at::Tensor mc = mins.has_value() ? mins->contiguous() : at::Tensor();
+  const int64_t NR = panel, panels = (N + NR - 1) / NR, block = block_bytes(NR, bits, G);
+  const int64_t stride = panel_bytes(NR, bits, K, G);
+  at::Tensor packed = huge_page_empty({panels, stride}, q.options().dtype(at::kByte));
+  const uint8_t* qp = reinterpret_cast<const uint8_t*>(qc.data_ptr());
+  const float* sp = sc.data_ptr<float>();
+  const float* mp = mins.has_value() ? mc.data_ptr<float>() : nullptr;
+  uint8_t* out = packed.data_ptr<uint8_t>();
+  parallel_chunks(panels * groups, [&](int64_t item) {
+    const int64_t p = item / groups, g = item % groups;
+    uint8_t* blk = out + p * stride + g * block;
+    float* s = reinterpret_cast<float*>(blk);
+    float* mn = s + NR;
+    uint8_t* qo = blk + scale_bytes(NR, bits);
+    for (int64_t i = 0; i < NR; i++) {  // features past N: zero scale, min and q
+      const int64_t n = p * NR + i;
+      s[i] = n < N ? sp[n * groups + g] : 0.f;
+      if (bits == 4) mn[i] = n < N ? mp[n * groups + g] : 0.f;
+    }
+    for (int64_t k = 0; k < std::min(G, K - g * G); k++) {
+      const int64_t kk = g * G + k;
+      auto value = [&](int64_t i) -> uint8_t {
+        const int64_t n = p * NR + i;
+        return n < N ? qp[n * K + kk] : 0;
+      };
+      if (bits == 8) {
+        for (int64_t i = 0; i < NR; i++) qo[k * NR + i] = value(i);
+      } else {
+        for (int64_t i = 0; i < NR / 2; i++) qo[k * NR / 2 + i] = value(i) | value(NR / 2 + i) << 4;
+      }
+    }
+  });
+  return packed;
+}
+
+at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                            int64_t out_features, int64_t in_features, int64_t bits, int64_t group_size) {
+  const int64_t N = out_features, K = in_features, G = group_size;
+  check_format(bits, G, K);
+  TORCH_CHECK(packed.dim() == 2 && packed.is_contiguous() && packed.scalar_type() == at::kByte,
+              "packed weight must come from pack_quantized_weight");
+  const int64_t per_feature = panel_bytes(1, bits, K, G), NR = packed.size(1) / per_feature;
+  TORCH_CHECK(packed.size(1) == NR * per_feature && (NR == 16 || NR == 32), "packed weight was not packed with in_features ",
+              K, ", bits ", bits, " and group_size ", G);
+  TORCH_CHECK(N > 0 && N <= packed.size(0) * NR && N > (packed.size(0) - 1) * NR, "out_features ", N,
+              " does not match the packed weight's ", packed.size(0), " panels of ", NR);
+  const at::Tensor x2 = rows_of(x, K);
+  const float* b = bias_data(bias, N);
+  const int64_t M = x2.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M > 0) {
+    const float* xp = x2.data_ptr<float>();
+    const uint8_t* w = packed.data_ptr<uint8_t>();
+    float* yp = y.data_ptr<float>();
+    const int64_t xs = x2.stride(0);
+    if (NR == 16)
+      bits == 8 ? quantized_gemm<v8, 2, 8>(xp, xs, M, w, K, N, G, b, yp) : quantized_gemm<v8, 2, 4>(xp, xs, M, w, K, N, G, b, yp);
+    else
+      bits == 8 ? quantized_gemm<v16, 2, 8>(xp, xs, M, w, K, N, G, b, yp)
+                : quantized_gemm<v16, 2, 4>(xp, xs, M, w, K, N, G, b, yp);
+  }
+  return y.view(output_sizes(x, N));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(compiled_llm_cpu, m) {
+  m.def("pack_quantized_weight(Tensor q, Tensor scales, Tensor? mins, int bits, int group_size, int panel=0) -> Tensor");
+  m.def(
+      "quantized_linear(Tensor x, Tensor packed, Tensor? bias, int out_features, int in_features, int bits, "
+      "int group_size) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(compiled_llm_cpu, CPU, m) {
+  m.impl("pack_quantized_weight", pack_quantized_weight);
+  m.impl("quantized_linear", quantized_linear);
+}

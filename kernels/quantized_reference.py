@@ -1,0 +1,85 @@
+"""Weight-only quantization in plain torch: the format the CPU kernels compute with, how a float
+weight gets into it, and the linear layer it stands for.
+
+One format covers GGUF's Q8_0 / Q4_0 / Q4_1 and the weight-only int8 / int4 of gpt-fast and torchao:
+per output feature n and group g of `group_size` consecutive inputs (the last group shorter where
+K is not a multiple of it), `w[n, k] = scales[n, g] * q[n, k] (+ mins[n, g] for 4-bit)`, q int8
+(8-bit, symmetric) or uint8 0..15 (4-bit, asymmetric), scales and mins float32. The C++ kernels
+(csrc/cpu_quant_gemm.cpp) are tested against these functions, and they are the fallback where the
+kernels cannot be built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class QuantizedWeight:
+    """A [out_features, in_features] weight in the group-wise format (see the module docstring)."""
+
+    q: torch.Tensor  # [N, K]: int8 (8-bit) or uint8 holding 0..15 (4-bit)
+    scales: torch.Tensor  # [N, ceil(K / group_size)] float32
+    mins: torch.Tensor | None  # the same shape, for 4-bit; None for 8-bit
+    bits: int
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+
+def _groups(weight: torch.Tensor, group_size: int) -> list[torch.Tensor]:
+    """The weight's column groups, float32 [N, group_size] each (the last may be narrower)."""
+    return list(weight.float().split(group_size, dim=1))
+
+
+def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> QuantizedWeight:
+    """Symmetric int8 with one scale per row (`group_size` None: per channel, as gpt-fast's int8) or
+    per group: scale = max |w| / 127, q = round(w / scale)."""
+    size = group_size or weight.shape[1]
+    qs, scales = [], []
+    for w in _groups(weight, size):
+        scale = w.abs().amax(dim=1, keepdim=True) / 127
+        safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+        qs.append(torch.round(w / safe).clamp(-128, 127).to(torch.int8))
+        scales.append(scale)
+    return QuantizedWeight(torch.cat(qs, dim=1), torch.cat(scales, dim=1), None, 8, size)
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int = 128) -> QuantizedWeight:
+    """Asymmetric 4-bit per group, as gpt-fast's int4: scale = (max - min) / 15, q = round((w - min) /
+    scale) in 0..15, so w ~ scale * q + min. (gpt-fast stores zero = min + 8 * scale and computes
+    (q - 8) * scale + zero: the same weight.)"""
+    qs, scales, mins = [], [], []
+    for w in _groups(weight, group_size):
+        lo, hi = w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True)
+        scale = (hi - lo) / 15
+        safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+        qs.append(torch.round((w - lo) / safe).clamp(0, 15).to(torch.uint8))
+        scales.append(scale)
+        mins.append(lo)
+    return QuantizedWeight(torch.cat(qs, dim=1), torch.cat(scales, dim=1), torch.cat(mins, dim=1), 4, group_size)
+
+
+def dequantize(weight: QuantizedWeight) -> torch.Tensor:
+    """The float32 weight [N, K] the format stands for (scale * q, then + min: two roundings, as
+    the gguf package's de-quantizer computes it)."""
+    k = weight.shape[1]
+    w = weight.q.float() * weight.scales.repeat_interleave(weight.group_size, dim=1)[:, :k]
+    if weight.mins is not None:
+        w = w + weight.mins.repeat_interleave(weight.group_size, dim=1)[:, :k]
+    return w
+
+
+def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b with W de-quantized (float32 activations)."""
+    return F.linear(x, dequantize(weight), bias)
+
+
+def half_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b for a 16-bit weight (float16 or bfloat16) with float32 activations."""
+    return F.linear(x, weight.float(), bias)
