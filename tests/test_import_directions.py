@@ -29,8 +29,6 @@ SHARED = FOUNDATION | {"config", "compilation.config", "sampling_params", "struc
 
 ALLOWED: dict[str, frozenset[str]] = {
     # precompile: the executor, and the worker's cache key (`--print-cache-key` builds no runner)
-    # precompile: compiles on every rank through the executor, and prints the cache key without a
-    # model from the factors the worker side assembles.
     "entrypoints": SHARED | {"engine", "executor", "worker", "compilation", "messages"},
     "engine": SHARED | {"core", "messages"},  # the frontend starts the core (in-process, a process, Ray)
     "core": SHARED | {"executor", "messages"},
