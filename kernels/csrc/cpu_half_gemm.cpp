@@ -32,8 +32,6 @@ namespace {
 using namespace compiled_llm_cpu;
 
 constexpr int64_t kNativePanel = 2 * kNativeLanes;
-// As the fp32 GEMM: few-row passes ask for the weights this far ahead at each k.
-constexpr int64_t kPrefetchBytes = 4096;
 // Packed bytes per work item: the fp32 GEMM's item in weights (128 KB of floats).
 constexpr int64_t kItemBytes = 64 * 1024;
 
@@ -108,7 +106,7 @@ void half_kernel(const float* __restrict x, int64_t xs, const uint16_t* __restri
 #pragma GCC unroll 2
     for (int u = 0; u < KU; u++) {
       const uint16_t* w = panel + (k + u) * NR;
-      if constexpr (MR <= 4) __builtin_prefetch(w + kPrefetchBytes / sizeof(uint16_t), 0, 0);
+      __builtin_prefetch(w + kPrefetchBytes / sizeof(uint16_t), 0, kPrefetchLocality);
       V wv[NV];
 #pragma GCC unroll 4
       for (int j = 0; j < NV; j++) wv[j] = Format::template load<V>(w + j * L);
@@ -181,7 +179,7 @@ at::Tensor pack_half_weight(const at::Tensor& weight, int64_t panel) {
   auto padded = at::zeros({panels * panel, K}, weight.options());
   padded.narrow(0, 0, N).copy_(weight);
   // [panels, NR, K] -> [panels, K, NR]
-  at::Tensor packed = huge_page_empty({panels, K, panel}, weight.options());
+  at::Tensor packed = packed_weight_empty({panels, K, panel}, weight.options());
   packed.copy_(padded.view({panels, panel, K}).transpose(1, 2));
   return packed;
 }

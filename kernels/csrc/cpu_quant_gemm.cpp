@@ -45,9 +45,6 @@ namespace {
 using namespace compiled_llm_cpu;
 
 constexpr int64_t kNativePanel = 2 * kNativeLanes;
-// A decode pass is bound by reading the weights: each group asks for the bytes this far ahead (as
-// the fp32 GEMM does per k), so the loads in flight keep the memory bus busy across page boundaries.
-constexpr int64_t kPrefetchBytes = 4096;
 // Packed bytes per work item. Smaller than the fp32 GEMM's 128 KB: a byte of 4-bit weights is four
 // times the arithmetic of a byte of floats, and a decode projection must still split into enough
 // items for every thread.
@@ -73,14 +70,23 @@ inline void load_q(const uint8_t* __restrict p, V (&w)[NV]) {
     static_assert(NV % 2 == 0, "4-bit panels hold their vectors in pairs (low and high nibbles)");
     for (int j = 0; j < NV; j += 2) {
       const ints_of<V> both = widen_u8<V>(p + j / 2 * L);
-      w[j] = __builtin_convertvector(both & 15, V);
-      w[j + 1] = __builtin_convertvector(both >> 4, V);
+      if constexpr (L == 16 && kNativeLanes == 16) {
+        // A 16-float permute (vpermps) reads only the low 4 bits of each index: a lookup in the table
+        // of 0..15 is the mask and the conversion in one instruction, on the port the FMAs use less.
+        const V values = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+        w[j] = __builtin_shuffle(values, both);
+        w[j + 1] = __builtin_shuffle(values, both >> 4);
+      } else {
+        w[j] = __builtin_convertvector(both & 15, V);
+        w[j + 1] = __builtin_convertvector(both >> 4, V);
+      }
     }
   }
 }
 
+// Few-row passes ask for the next groups' bytes at the start of each group (panel_gemm.h).
 inline void prefetch_bytes(const uint8_t* p, int64_t bytes) {
-  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 0);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, kPrefetchLocality);
 }
 
 // Rows per micro-kernel call, as many as the registers hold (32 zmm with AVX-512, 16 ymm with
@@ -113,7 +119,7 @@ void few_rows_kernel(const float* __restrict x, int64_t xs, const float* __restr
     for (int j = 0; j < NV; j++) total[m][j] = V{};
   for (int64_t g = 0; g < groups; g++) {
     const uint8_t* blk = panel + g * block;
-    if constexpr (MR <= 4) prefetch_bytes(blk + kPrefetchBytes, block);
+    prefetch_bytes(blk + kPrefetchBytes, block);
     const uint8_t* q = blk + scale_bytes(NR, Bits);
     const float* xg = x + g * G;
     const int64_t length = std::min(G, K - g * G);
@@ -168,6 +174,7 @@ void many_rows_kernel(const float* __restrict x, int64_t xs, const uint8_t* __re
     for (int j = 0; j < NV; j++) acc[m][j] = V{};
   for (int64_t g = 0; g < groups; g++) {
     const uint8_t* blk = panel + g * block;
+    prefetch_bytes(blk + kPrefetchBytes, block);
     const float* scale = reinterpret_cast<const float*>(blk);
     const uint8_t* q = blk + scale_bytes(NR, Bits);
     const float* xg = x + g * G;
@@ -293,7 +300,7 @@ at::Tensor pack_quantized_weight(const at::Tensor& q, const at::Tensor& scales, 
   const at::Tensor mc = mins.has_value() ? mins->contiguous() : at::Tensor();
   const int64_t NR = panel, panels = (N + NR - 1) / NR, block = block_bytes(NR, bits, G);
   const int64_t stride = panel_bytes(NR, bits, K, G);
-  at::Tensor packed = huge_page_empty({panels, stride}, q.options().dtype(at::kByte));
+  at::Tensor packed = packed_weight_empty({panels, stride}, q.options().dtype(at::kByte));
   const uint8_t* qp = reinterpret_cast<const uint8_t*>(qc.data_ptr());
   const float* sp = sc.data_ptr<float>();
   const float* mp = mins.has_value() ? mc.data_ptr<float>() : nullptr;
