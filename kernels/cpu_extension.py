@@ -1,5 +1,5 @@
 """Builds and loads the C++ CPU kernels (kernels/csrc: paged decode and prefill attention, the
-packed-weight linear) once per machine.
+packed-weight linear, and linears over quantized and 16-bit weights) once per machine.
 
 The build (about a minute) lands under the user cache dir, keyed by the sources, the torch version
 and the CPU's feature flags, and is shared by every later process on the machine. Without a
@@ -20,8 +20,9 @@ logger = logging.getLogger("compiled_llm.kernels")
 
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / "cpu_attention.cpp", _CSRC / "cpu_prefill_attention.cpp", _CSRC / "cpu_attention_step.cpp",
-            _CSRC / "cpu_gemm.cpp"]
-_HEADERS = [_CSRC / "simd.h", _CSRC / "parallel.h", _CSRC / "vec.h"]
+            _CSRC / "cpu_gemm.cpp", _CSRC / "cpu_quant_gemm.cpp", _CSRC / "cpu_half_gemm.cpp"]
+_HEADERS = [_CSRC / "simd.h", _CSRC / "parallel.h", _CSRC / "vec.h", _CSRC / "huge_pages.h", _CSRC / "panel_gemm.h",
+            _CSRC / "widen.h"]
 # -march=native: the kernels pick their vector width (AVX2 or AVX-512) from the CPU they are built
 # on; the folder's hash covers the flags, and the cache key's device factor the CPU's vector ISA.
 # No OpenMP: the kernels share out their work through their own pool (csrc/parallel.h).
@@ -47,6 +48,28 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("compiled_llm_cpu::silu_and_mul_packed_linear")
     def _silu_and_mul_packed_linear_fake(x, packed, bias, out_features):
+        return x.new_empty(*x.shape[:-1], out_features)
+
+    @torch.library.register_fake("compiled_llm_cpu::pack_quantized_weight")
+    def _pack_quantized_weight_fake(q, scales, mins, bits, group_size, panel):
+        width = panel if panel > 0 else torch.ops.compiled_llm_cpu.native_panel_width()
+        n, k = q.shape
+        groups = -(-k // group_size)
+        panel_bytes = width * (groups * 4 * (2 if bits == 4 else 1) + k * bits // 8)  # scales, mins, q
+        return q.new_empty(-(-n // width), panel_bytes, dtype=torch.uint8)
+
+    @torch.library.register_fake("compiled_llm_cpu::quantized_linear")
+    def _quantized_linear_fake(x, packed, bias, out_features, in_features, bits, group_size):
+        return x.new_empty(*x.shape[:-1], out_features)
+
+    @torch.library.register_fake("compiled_llm_cpu::pack_half_weight")
+    def _pack_half_weight_fake(weight, panel):
+        width = panel if panel > 0 else torch.ops.compiled_llm_cpu.native_panel_width()
+        n, k = weight.shape
+        return weight.new_empty(-(-n // width), k, width)
+
+    @torch.library.register_fake("compiled_llm_cpu::half_linear")
+    def _half_linear_fake(x, packed, bias, out_features):
         return x.new_empty(*x.shape[:-1], out_features)
 
 

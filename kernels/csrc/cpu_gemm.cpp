@@ -19,11 +19,10 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include <sys/mman.h>
-
 #include <algorithm>
 #include <type_traits>
 
+#include "huge_pages.h"
 #include "parallel.h"
 #include "vec.h"
 
@@ -154,29 +153,6 @@ void packed_gemm(const float* x, int64_t xs, int64_t M, const float* packed, int
       }
     }
   });
-}
-
-// An uninitialised float tensor whose memory the kernel is asked to back with 2 MB pages
-// (transparent huge pages; most distributions enable them on request, "madvise"). A decode step
-// streams every weight once: on 4 KB pages that is a TLB miss every 4 KB, each a page walk that a
-// virtual machine makes twice as long; on 2 MB pages the whole model needs a few hundred TLB
-// entries. Measured on a Zen 3 VM: a batch-1 pass of SmolLM2's linears 4-8% faster. The mapping
-// is aligned to 2 MB and exactly as long as the tensor (its last partial 2 MB stay 4 KB pages),
-// so nothing is wasted; where huge pages are unavailable the pages are simply 4 KB.
-at::Tensor huge_page_empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
-  constexpr size_t kHuge = size_t{2} << 20, kPage = 4096;
-  const size_t bytes = static_cast<size_t>(c10::multiply_integers(sizes)) * sizeof(float);
-  if (bytes < kHuge) return at::empty(sizes, options);
-  const size_t length = (bytes + kPage - 1) / kPage * kPage;
-  void* raw = mmap(nullptr, length + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (raw == MAP_FAILED) return at::empty(sizes, options);
-  const uintptr_t base = reinterpret_cast<uintptr_t>(raw);
-  const uintptr_t start = (base + kHuge - 1) & ~(uintptr_t{kHuge} - 1);
-  if (start > base) munmap(raw, start - base);  // the slack before the aligned range, then after it
-  munmap(reinterpret_cast<void*>(start + length), base + kHuge - start);
-  void* data = reinterpret_cast<void*>(start);
-  madvise(data, length, MADV_HUGEPAGE);  // best effort
-  return at::from_blob(data, sizes, [length](void* p) { munmap(p, length); }, options);
 }
 
 at::Tensor pack_linear_weight(const at::Tensor& weight, int64_t panel) {

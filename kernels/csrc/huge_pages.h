@@ -30,8 +30,8 @@ namespace compiled_llm_cpu {
 
 constexpr size_t kHugePage = size_t{2} << 20;
 
-// A 2 MB-aligned mapping of `length` bytes (a multiple of 4 KB) asked to be backed by huge pages,
-// or nullptr.
+// A 2 MB-aligned mapping of `length` bytes (a multiple of 4 KB) asked to be backed by huge pages
+// (transparent huge pages; most distributions grant them on request, "madvise"), or nullptr.
 inline void* map_huge(size_t length) {
   void* raw = mmap(nullptr, length + kHugePage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (raw == MAP_FAILED) return nullptr;
