@@ -25,7 +25,8 @@ SOURCE_ROOTS = {ROOT / "compiled_llm": "compiled_llm", ROOT / "compilation": "co
 FOUNDATION = frozenset({"logger", "utils"})
 # The settings and values every layer shares (CompilationConfig is part of the engine's config).
 SHARED = FOUNDATION | {"config", "compilation.config", "sampling_params", "structured_output_spec", "outputs",
-                       "bundled_model"}  # the default model: where its files are
+                       "bundled_model",  # the default model: where its files are
+                       "gguf_file"}  # a GGUF file as MODEL: its config and tokenizer, its checked tables
 
 ALLOWED: dict[str, frozenset[str]] = {
     # precompile: the executor, and the worker's cache key (`--print-cache-key` builds no runner)
@@ -43,6 +44,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "structured_output_spec": FOUNDATION | {"sampling_params"},  # what a request's constraint becomes
     "outputs": FOUNDATION,
     "bundled_model": FOUNDATION,
+    "gguf_file": FOUNDATION,
     "compilation": FOUNDATION | {"compilation.config"},
     "kernels": FOUNDATION,
     "utils": frozenset({"logger"}),
