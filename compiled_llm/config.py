@@ -91,6 +91,31 @@ def describe_cpu_dtype(dtype: torch.dtype) -> str:
     return f"{name}: the CPU has no native bf16 (neither AMX nor avx512_bf16), where bf16 matmuls are ~100x slower"
 
 
+# The weight formats of `--quantization` (compiled_llm/quantization/ holds one file per method).
+QUANTIZATION_NAMES = ("int8", "int4", "fp16_storage")
+# The 16-bit weight storage method: float32 activations over 16-bit weights.
+HALF_STORAGE = "fp16_storage"
+
+
+def resolve_quantization(
+    quantization: str | None, options: dict[str, Any] | None, dtype: torch.dtype, device: torch.device
+) -> tuple[str | None, dict[str, Any], torch.dtype]:
+    """(method, its options, the activations' dtype). A 16-bit dtype on a CPU that cannot compute
+    in it natively (bf16 without AMX or avx512_bf16; fp16 on any CPU) becomes 16-bit weight storage
+    with float32 activations, unless another method is asked for: such matmuls are ~100x slower
+    than float32, while storage alone halves the bytes a decode step reads."""
+    options = dict(options or {})
+    if quantization is not None and quantization not in QUANTIZATION_NAMES:
+        raise ValueError(f"Unknown quantization method {quantization!r}; known: {', '.join(QUANTIZATION_NAMES)}.")
+    half = dtype in (torch.float16, torch.bfloat16)
+    emulated = device.type == "cpu" and (dtype == torch.float16 or (dtype == torch.bfloat16 and not cpu_native_bf16()))
+    if quantization == HALF_STORAGE or (quantization is None and half and emulated):
+        if not half:
+            raise ValueError(f"{HALF_STORAGE} stores the weights in --dtype bfloat16 or float16, not {dtype}.")
+        return HALF_STORAGE, {"dtype": str(dtype).removeprefix("torch.")}, torch.float32
+    return quantization, options, dtype
+
+
 def rope_parameters(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
     """Read `rope_theta` and the scaling dict under both transformers 4 and 5 spellings.
 
@@ -123,6 +148,8 @@ class ModelConfig:
     seed: int = 0
     max_logprobs: int = 20  # the most logprobs (and top_logprobs) a request may ask for
     load_format: str = "auto"  # "auto": the folder's safetensors; "dummy": random weights (no checkpoint)
+    quantization: str | None = None  # the weight format (QUANTIZATION_NAMES), None: as the checkpoint has it
+    quantization_options: dict[str, Any] = field(default_factory=dict)  # e.g. int4's {"group_size": 32}
 
     @property
     def architecture(self) -> str:
@@ -159,6 +186,8 @@ class ModelConfig:
         seed: int = 0,
         max_logprobs: int = 20,
         load_format: str = "auto",
+        quantization: str | None = None,
+        quantization_options: dict[str, Any] | None = None,
     ) -> "ModelConfig":
         from transformers import AutoConfig
 
@@ -191,16 +220,20 @@ class ModelConfig:
             raise ValueError(
                 f"max_model_len={max_model_len} exceeds the model's max_position_embeddings ({limit})."
             )
+        quantization, quantization_options, activation_dtype = resolve_quantization(
+            quantization, quantization_options, resolve_dtype(dtype, hf_config, device), device)
         return cls(
             model=str(folder),
             hf_config=hf_config,
-            dtype=resolve_dtype(dtype, hf_config, device),
+            dtype=activation_dtype,
             max_model_len=int(max_model_len),
             eos_token_ids=_eos_token_ids(folder, hf_config),
             served_model_name=served_model_name or folder.name,
             seed=seed,
             max_logprobs=max_logprobs,
             load_format=load_format,
+            quantization=quantization,
+            quantization_options=quantization_options,
         )
 
 

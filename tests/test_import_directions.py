@@ -34,8 +34,9 @@ ALLOWED: dict[str, frozenset[str]] = {
     "engine": SHARED | {"core", "messages"},  # the frontend starts the core (in-process, a process, Ray)
     "core": SHARED | {"executor", "messages"},
     "executor": SHARED | {"worker", "distributed", "messages"},
-    "worker": SHARED | {"models", "compilation", "kernels", "distributed", "messages"},
-    "models": SHARED | {"compilation", "kernels", "distributed"},
+    "worker": SHARED | {"models", "quantization", "compilation", "kernels", "distributed", "messages"},
+    "models": SHARED | {"quantization", "compilation", "kernels", "distributed"},
+    "quantization": SHARED | {"kernels", "distributed"},  # the weight formats the models' linears ask for
     "distributed": FOUNDATION,
     "messages": FOUNDATION | {"sampling_params"},
     "config": FOUNDATION | {"compilation.config"},

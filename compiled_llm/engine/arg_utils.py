@@ -22,6 +22,7 @@ from typing import Any, Callable, TypeVar
 from compiled_llm.compilation.config import CompilationConfig, CUDAGraphMode
 from compiled_llm.config import (
     EXECUTOR_BACKENDS,
+    QUANTIZATION_NAMES,
     SCHEDULING_POLICIES,
     CacheConfig,
     EngineConfig,
@@ -135,6 +136,14 @@ class EngineArgs(CliArgs):
     dtype: str = setting("auto", "auto: bf16 on a CPU with native bf16 (AMX or avx512_bf16), else float32; on a "
                                  "GPU the checkpoint's. The choice and its reason are logged at start-up.",
                          choices=["auto", "float32", "bfloat16", "float16"])
+    quantization: str | None = setting(
+        None, "Weight format: int8 (per-channel) or int4 (group-wise) weight-only, quantized at load; "
+        "fp16_storage (16-bit weights, float32 activations: chosen by itself for --dtype bfloat16/float16 on a "
+        "CPU without native compute for it). Default: the checkpoint's weights as they are.",
+        short="-q", choices=QUANTIZATION_NAMES)
+    quantization_options: dict | None = setting(
+        None, 'The method\'s options as JSON, e.g. \'{"group_size": 32}\' for int4 (32, 64 or 128; default 128).',
+        parse=json.loads)
     device: str | None = setting(None, "cpu or cuda (default: cuda when available).")
     seed: int = setting(0, "Seed of the engine's random state.")
     max_model_len: int | None = setting(None, "Longest sequence, prompt and output (default: the model's).")
@@ -204,7 +213,8 @@ class EngineArgs(CliArgs):
             model = str(bundled_model_path())
             name = name or BUNDLED_MODEL_NAME
         model_config = ModelConfig.from_folder(
-            model, self.dtype, device, self.max_model_len, name, self.seed, self.max_logprobs, self.load_format
+            model, self.dtype, device, self.max_model_len, name, self.seed, self.max_logprobs, self.load_format,
+            self.quantization, self.quantization_options,
         )
         default_seqs, default_tokens = SchedulerConfig.default_limits(device.type)
         max_num_seqs = self.max_num_seqs or default_seqs

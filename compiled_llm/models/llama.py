@@ -17,7 +17,6 @@ from compiled_llm.config import rope_parameters
 from compiled_llm.models.layers.activation import SiluAndMul
 from compiled_llm.models.layers.attention import Attention
 from compiled_llm.models.layers.layernorm import RMSNorm
-from compiled_llm.models.layers.linear import linear, pack_weight
 from compiled_llm.models.layers.parallel import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -27,6 +26,7 @@ from compiled_llm.models.layers.parallel import (
     gather_logits,
 )
 from compiled_llm.models.layers.rotary import RotaryEmbedding
+from compiled_llm.quantization.base import QuantizationConfig
 
 
 @dataclass(frozen=True)
@@ -40,20 +40,22 @@ class Biases:
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config: Any, rotary: RotaryEmbedding, biases: Biases, qk_norm: bool, cpu_kernels: bool) -> None:
+    def __init__(self, config: Any, rotary: RotaryEmbedding, biases: Biases, qk_norm: bool, cpu_kernels: bool,
+                 quant_config: QuantizationConfig | None, prefix: str) -> None:
         super().__init__()
         num_heads = config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         # This rank's heads (all of them without tensor parallelism).
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, num_heads, num_kv_heads, biases.qkv,
-                                          cpu_kernels)
+                                          cpu_kernels, quant_config, f"{prefix}.qkv_proj")
         heads = self.qkv_proj.heads
         self.num_heads, self.num_kv_heads = len(heads.q_heads), len(heads.kv_heads)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         q_columns = range(heads.q_heads.start * self.head_dim, heads.q_heads.stop * self.head_dim)
-        self.o_proj = RowParallelLinear(q_columns, config.hidden_size, biases.o, cpu_kernels)
+        self.o_proj = RowParallelLinear(q_columns, config.hidden_size, biases.o, cpu_kernels, quant_config,
+                                        f"{prefix}.o_proj")
         self.rotary_emb = rotary
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
@@ -72,13 +74,15 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, config: Any, bias: bool, cpu_kernels: bool) -> None:
+    def __init__(self, config: Any, bias: bool, cpu_kernels: bool, quant_config: QuantizationConfig | None,
+                 prefix: str) -> None:
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"Unsupported hidden_act {config.hidden_act!r}; only silu is implemented.")
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias,
-                                                       cpu_kernels)
-        self.down_proj = RowParallelLinear(self.gate_up_proj.part_rows[0], config.hidden_size, bias, cpu_kernels)
+                                                       cpu_kernels, quant_config, f"{prefix}.gate_up_proj")
+        self.down_proj = RowParallelLinear(self.gate_up_proj.part_rows[0], config.hidden_size, bias, cpu_kernels,
+                                           quant_config, f"{prefix}.down_proj")
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -86,10 +90,12 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, rotary: RotaryEmbedding, biases: Biases, qk_norm: bool, cpu_kernels: bool) -> None:
+    def __init__(self, config: Any, rotary: RotaryEmbedding, biases: Biases, qk_norm: bool, cpu_kernels: bool,
+                 quant_config: QuantizationConfig | None, prefix: str) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(config, rotary, biases, qk_norm, cpu_kernels)
-        self.mlp = DecoderMLP(config, biases.mlp, cpu_kernels)
+        self.self_attn = DecoderAttention(config, rotary, biases, qk_norm, cpu_kernels, quant_config,
+                                          f"{prefix}.self_attn")
+        self.mlp = DecoderMLP(config, biases.mlp, cpu_kernels, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -107,7 +113,8 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: Any, biases: Biases, qk_norm: bool, cpu_kernels: bool) -> None:
+    def __init__(self, config: Any, biases: Biases, qk_norm: bool, cpu_kernels: bool,
+                 quant_config: QuantizationConfig | None, prefix: str = "model") -> None:
         super().__init__()
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
@@ -115,7 +122,8 @@ class DecoderModel(nn.Module):
         rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, rotary, biases, qk_norm, cpu_kernels) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, rotary, biases, qk_norm, cpu_kernels, quant_config, f"{prefix}.layers.{i}")
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -131,26 +139,25 @@ class DecoderModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     qk_norm = False
 
-    def __init__(self, config: Any, cpu_kernels: bool = False) -> None:
-        """`cpu_kernels`: the linear layers call this project's C++ CPU kernel (built and loaded)."""
+    def __init__(self, config: Any, cpu_kernels: bool = False, quant_config: QuantizationConfig | None = None) -> None:
+        """`cpu_kernels`: the linear layers call this project's C++ CPU kernel (built and loaded).
+        `quant_config`: how the linear layers keep their weights (None: as the checkpoint has them)."""
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, self.biases(config), self.qk_norm, cpu_kernels)
+        self.model = DecoderModel(config, self.biases(config), self.qk_norm, cpu_kernels, quant_config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.cpu_kernels = cpu_kernels
-        self.packed_lm_head: torch.Tensor | None = None  # set by process_weights_after_loading
         # This rank's slice of the vocabulary, as the embedding's (all of it without tensor parallelism).
-        self.lm_head = None if self.tie_word_embeddings else ColumnParallelLinear(config.hidden_size, config.vocab_size,
-                                                                                    cpu_kernel=cpu_kernels)
+        # Tied, it computes with the embedding's weight (or its own format of it: the loader gives it
+        # the embedding's checkpoint tensor too).
+        self.lm_head = ColumnParallelLinear(config.hidden_size, config.vocab_size, cpu_kernel=cpu_kernels,
+                                            quant_config=quant_config, prefix="lm_head")
+        if self.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens.weight)
 
     @classmethod
     def biases(cls, config: Any) -> Biases:
         attention_bias = bool(getattr(config, "attention_bias", False))
         return Biases(qkv=attention_bias, o=attention_bias, mlp=bool(getattr(config, "mlp_bias", False)))
-
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Hidden states of a flat batch of tokens: [T] ids and positions -> [T, hidden]."""
@@ -158,15 +165,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the whole vocabulary, on every rank."""
-        packed = self.packed_lm_head if self.lm_head is None else self.lm_head.packed_weight
-        local = linear(hidden, self.lm_head_weight, None, self.cpu_kernels, packed)
-        return gather_logits(local, self.config.vocab_size)
-
-    def process_weights_after_loading(self) -> None:
-        """With the C++ CPU kernels, a tied output projection gets a packed copy of the embedding
-        table (which keeps its own layout for the lookups); an untied one packs itself."""
-        tied = self.lm_head is None
-        self.packed_lm_head = pack_weight(self.lm_head_weight) if tied and self.cpu_kernels else None
+        return gather_logits(self.lm_head(hidden), self.config.vocab_size)
 
     # Checkpoint name fragments that load into one shard of a fused parameter.
     stacked_params = (

@@ -16,9 +16,13 @@ from safetensors import safe_open
 from torch import nn
 
 from compiled_llm.config import ModelConfig
+from compiled_llm.logger import init_logger
 from compiled_llm.models.checkpoint import CheckpointTensor, read
-from compiled_llm.models.layers.linear import MergedLinear
+from compiled_llm.models.layers.linear import CheckpointWeight, LinearBase
 from compiled_llm.models.registry import model_class
+from compiled_llm.quantization import get_quantization_config
+
+logger = init_logger(__name__)
 
 
 @contextmanager
@@ -59,15 +63,17 @@ def iterate_checkpoint(folder: Path) -> Iterator[tuple[str, CheckpointTensor]]:
                 yield name, CheckpointTensor(f, name)
 
 
-def load_weights(model: nn.Module, weights: Iterator[tuple[str, CheckpointTensor | torch.Tensor]]) -> None:
-    """Copy checkpoint tensors into the model, fusing q/k/v and gate/up; every parameter must be filled."""
-    params = dict(model.named_parameters())
-    expected_shards = {
-        f"{name}.{p}": len(module.output_sizes)
-        for name, module in model.named_modules()
-        if isinstance(module, MergedLinear)
-        for p, _ in module.named_parameters(recurse=False)
-    }
+def load_weights(model: nn.Module, weights: Iterator[tuple[str, CheckpointWeight]]) -> None:
+    """Copy checkpoint tensors into the model, fusing q/k/v and gate/up; every parameter (and every
+    linear layer's weight, however its method keeps it) must be filled. With tied embeddings the
+    embedding's tensor is the LM head's weight too."""
+    targets: set[str] = {name for name, _ in model.named_parameters()}
+    expected_shards: dict[str, int] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, LinearBase):
+            targets.add(f"{name}.weight")  # a quantized method may keep no `weight` parameter
+            for part in ("weight",) + (("bias",) if module.bias is not None else ()):
+                expected_shards[f"{name}.{part}"] = len(module.output_sizes)
     filled: dict[str, set] = {}
     stacked = getattr(model, "stacked_params", ())
     tied = getattr(model, "tie_word_embeddings", False)
@@ -79,41 +85,49 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, CheckpointTensor
             if part in name:
                 target, shard = name.replace(part, fused), shard_id
                 break
-        param = params.get(target)
-        if param is None:  # a weight this implementation would silently drop: wrong outputs
+        if target not in targets:  # a weight this implementation would silently drop: wrong outputs
             raise ValueError(
                 f"The checkpoint has tensor {name!r}, which {type(model).__name__} has no parameter for "
                 f"(a config feature this engine does not implement?)."
             )
-        owner = model.get_submodule(target.rpartition(".")[0])
-        with torch.no_grad():
-            if hasattr(owner, "load_checkpoint"):  # a tensor-parallel layer reads only its slice
-                owner.load_checkpoint(param, tensor, shard)
-                filled.setdefault(target, set()).add(shard)
-                continue
-            tensor = read(tensor)
-            if shard is None:
-                if tuple(tensor.shape) != tuple(param.shape):
-                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
-                param.data.copy_(tensor)
-            else:
-                owner.load_shard(param, tensor, shard)
-        filled.setdefault(target, set()).add(shard)
-    missing = [n for n in params if len(filled.get(n, ())) < expected_shards.get(n, 1)]
+        destinations = [target] + (["lm_head.weight"] if tied and target == "model.embed_tokens.weight" else [])
+        for destination in destinations:
+            _load_one(model, destination, tensor, shard)
+            filled.setdefault(destination, set()).add(shard)
+    missing = [n for n in sorted(targets) if len(filled.get(n, ())) < expected_shards.get(n, 1)]
     if missing:
         raise ValueError(f"The checkpoint lacks {len(missing)} parameter(s), e.g. {', '.join(missing[:5])}.")
+
+
+def _load_one(model: nn.Module, target: str, tensor: CheckpointWeight, shard: int | str | None) -> None:
+    owner_name, _, param_name = target.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    with torch.no_grad():
+        if hasattr(owner, "load_checkpoint"):  # linear and embedding layers: their part, their format
+            owner.load_checkpoint(param_name, tensor, shard)
+            return
+        part, param = read(tensor), getattr(owner, param_name)
+        if tuple(part.shape) != tuple(param.shape):
+            raise ValueError(f"{target}: checkpoint shape {tuple(part.shape)} != model {tuple(param.shape)}")
+        param.data.copy_(part)
 
 
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     """Random weights (norms at 1) for benchmarks and GPU checks that have no checkpoint."""
     generator = torch.Generator(device="cpu").manual_seed(seed)
+
+    def normal(shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.empty(shape, dtype=torch.float32).normal_(0.0, 0.02, generator=generator)
+
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
             else:
-                cpu = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, 0.02, generator=generator)
-                param.copy_(cpu)
+                param.copy_(normal(tuple(param.shape)))
+        for module in model.modules():  # linears whose method keeps no float weight parameter
+            if isinstance(module, LinearBase) and not isinstance(getattr(module, "weight", None), nn.Parameter):
+                module.quant_method.load(module, normal((module.out_features, module.in_features)), None)
 
 
 def process_weights_after_loading(model: nn.Module) -> None:
@@ -131,8 +145,11 @@ def build_model(config: ModelConfig, device: torch.device, cpu_kernels: bool = F
     after loading, in eval mode. `cpu_kernels`: its linear layers call this project's C++ CPU kernels."""
     load_format = config.load_format
     cls = model_class(config.architecture)
+    quant_config = get_quantization_config(config.quantization, config)
+    if quant_config is not None:
+        logger.info("Weights: %s.", quant_config.describe())
     with _default_dtype(config.dtype), torch.device(device):
-        model = cls(config.hf_config, cpu_kernels=cpu_kernels)
+        model = cls(config.hf_config, cpu_kernels=cpu_kernels, quant_config=quant_config)
     if load_format == "dummy":
         init_dummy_weights(model, config.seed)
     elif load_format == "auto":

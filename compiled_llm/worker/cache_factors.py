@@ -14,12 +14,13 @@ from compiled_llm.compilation.cache_key import cache_key, compute_factors, packa
 from compiled_llm.compilation.compile_cache import CompileCache, read_signing_key
 from compiled_llm.config import EngineConfig
 from compiled_llm.kernels.cpu_extension import uses_cpu_kernels
+from compiled_llm.quantization import get_quantization_config
 
 
 def engine_cache_factors(config: EngineConfig, rank: int) -> dict[str, Any]:
     """The factors of the entry tensor-parallel `rank` of an engine with these settings uses."""
     mc = config.model_config
-    return compute_factors(
+    factors = compute_factors(
         hf_config=mc.hf_config,
         dtype=mc.dtype,
         device=config.torch_device,
@@ -29,6 +30,10 @@ def engine_cache_factors(config: EngineConfig, rank: int) -> dict[str, Any]:
         cpu_kernels=uses_cpu_kernels(config.torch_device, mc.dtype),  # what the model's layers call
         tensor_parallel=(rank, config.parallel_config.tensor_parallel_size),
     )
+    quant_config = get_quantization_config(mc.quantization, mc)
+    if quant_config is not None:  # the weight format: the method and its parameters (the graph calls its ops)
+        factors["quantization"] = quant_config.cache_factors()
+    return factors
 
 
 def engine_compile_cache(config: EngineConfig, rank: int) -> CompileCache:

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from compiled_llm.kernels.cpu_extension import cpu_kernels_available
-from compiled_llm.models.layers.linear import Linear, MergedLinear, pack_weight
+from compiled_llm.models.layers.linear import Linear, MergedLinear
+from compiled_llm.quantization.base import pack_weight
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="the C++ CPU kernels could not be built")
 
@@ -123,14 +124,14 @@ def test_linear_layers_pack_after_loading_and_repack_after_reloading():
     layer = MergedLinear(32, [24, 40], bias=True, cpu_kernel=True)
     parts = [torch.randn(24, 32, generator=g), torch.randn(40, 32, generator=g)]
     for i, part in enumerate(parts):
-        layer.load_shard(layer.weight, part, i)
+        layer.load_checkpoint("weight", part, i)
     layer.bias.data.copy_(torch.randn(64, generator=g))
     assert layer.packed_weight is None  # nothing packed before the loader says it is done
     layer.process_weights_after_loading()
     x = torch.randn(5, 32, generator=g)
     expected = F.linear(x, torch.cat(parts), layer.bias)
     torch.testing.assert_close(layer(x), expected, rtol=1e-4, atol=1e-4)
-    layer.load_shard(layer.weight, torch.zeros(24, 32), 0)  # a reload drops the stale packing
+    layer.load_checkpoint("weight", torch.zeros(24, 32), 0)  # a reload drops the stale packing
     assert layer.packed_weight is None
     torch.testing.assert_close(layer(x)[:, 24:], expected[:, 24:], rtol=1e-4, atol=1e-4)
 

@@ -12,7 +12,8 @@ query heads over 2 ranks: 6 and 3 heads). With fewer key-value heads than ranks,
 head is replicated on the ranks that share it. At one rank every layer is the plain one.
 
 Each layer loads its slice straight from the checkpoint (`load_checkpoint`): a rank reads only the
-rows or columns it keeps.
+rows or columns it keeps (a row-parallel layer whose method quantizes at load reads the whole
+weight, to quantize it before cutting its columns on group boundaries).
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from torch import nn
 
 from compiled_llm.distributed.communication import all_gather_last_dim, all_reduce
 from compiled_llm.distributed.parallel_state import tensor_parallel
-from compiled_llm.models.checkpoint import CheckpointTensor, read
-from compiled_llm.models.layers.linear import Linear, MergedLinear, linear
+from compiled_llm.models.checkpoint import read
+from compiled_llm.models.layers.linear import CheckpointWeight, Linear, MergedLinear, cut
+from compiled_llm.quantization.base import Loaded, QuantizationConfig
 
 
 def split_sizes(total: int, parts: int) -> list[int]:
@@ -66,89 +68,102 @@ class HeadPartition:
         return cls(q, range(kv_head, kv_head + 1))
 
 
-def _copy_rows(param: nn.Parameter, loaded: CheckpointTensor | torch.Tensor, rows: range, into: int = 0) -> None:
-    part = read(loaded, 0, rows.start, len(rows))
-    target = param.data.narrow(0, into, len(rows))
-    if tuple(part.shape) != tuple(target.shape):
-        raise ValueError(f"shape mismatch: checkpoint slice {tuple(part.shape)} vs model {tuple(target.shape)}")
-    target.copy_(part)
-
-
 class ColumnParallelLinear(Linear):
     """A slice of the output rows (all of them at one rank)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, cpu_kernel: bool = False) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = False, cpu_kernel: bool = False,
+        quant_config: QuantizationConfig | None = None, prefix: str = "",
+    ) -> None:
         tp = tensor_parallel()
         self.out_rows = shard_range(out_features, tp.rank, tp.world_size)
-        super().__init__(in_features, len(self.out_rows), bias, cpu_kernel)
+        super().__init__(in_features, len(self.out_rows), bias, cpu_kernel, quant_config, prefix)
 
-    def load_checkpoint(self, param: nn.Parameter, loaded: CheckpointTensor | torch.Tensor, shard: object) -> None:
-        _copy_rows(param, loaded, self.out_rows)
+    def cut_weight(self, loaded: CheckpointWeight, index: int | None) -> Loaded:
+        return cut(loaded, 0, self.out_rows.start, len(self.out_rows))
+
+    def cut_bias(self, loaded: CheckpointWeight, index: int | None) -> torch.Tensor:
+        return read(loaded, 0, self.out_rows.start, len(self.out_rows))
 
 
 class MergedColumnParallelLinear(MergedLinear):
     """Several column-parallel maps fused (gate and up): each part's slice, side by side."""
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False, cpu_kernel: bool = False) -> None:
+    def __init__(
+        self, in_features: int, output_sizes: list[int], bias: bool = False, cpu_kernel: bool = False,
+        quant_config: QuantizationConfig | None = None, prefix: str = "",
+    ) -> None:
         tp = tensor_parallel()
         self.part_rows = [shard_range(size, tp.rank, tp.world_size) for size in output_sizes]
-        super().__init__(in_features, [len(rows) for rows in self.part_rows], bias, cpu_kernel)
+        super().__init__(in_features, [len(rows) for rows in self.part_rows], bias, cpu_kernel, quant_config, prefix)
 
-    def load_checkpoint(self, param: nn.Parameter, loaded: CheckpointTensor | torch.Tensor, shard: object) -> None:
-        index = self.shard_index(shard)  # type: ignore[arg-type]
-        _copy_rows(param, loaded, self.part_rows[index], into=self.offsets[index])
+    def cut_weight(self, loaded: CheckpointWeight, index: int | None) -> Loaded:
+        rows = self.part_rows[index]
+        return cut(loaded, 0, rows.start, len(rows))
+
+    def cut_bias(self, loaded: CheckpointWeight, index: int | None) -> torch.Tensor:
+        rows = self.part_rows[index]
+        return read(loaded, 0, rows.start, len(rows))
 
 
 class QKVParallelLinear(MergedLinear):
     """The fused query, key and value projections of this rank's heads."""
 
     def __init__(
-        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, cpu_kernel: bool = False
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, cpu_kernel: bool = False,
+        quant_config: QuantizationConfig | None = None, prefix: str = "",
     ) -> None:
         tp = tensor_parallel()
         self.heads = HeadPartition.for_rank(num_heads, num_kv_heads, tp.rank, tp.world_size)
         self.head_dim = head_dim
         q, kv = len(self.heads.q_heads), len(self.heads.kv_heads)
-        super().__init__(hidden_size, [q * head_dim, kv * head_dim, kv * head_dim], bias, cpu_kernel)
+        super().__init__(hidden_size, [q * head_dim, kv * head_dim, kv * head_dim], bias, cpu_kernel, quant_config,
+                         prefix)
 
-    def shard_index(self, shard: int | str | None) -> int:
+    def shard_index(self, shard: int | str | None) -> int | None:
         index = {"q": 0, "k": 1, "v": 2}.get(shard) if isinstance(shard, str) else None
         if index is None:
             raise ValueError(f"QKV shards are 'q', 'k' and 'v', got {shard!r}")
         return index
 
-    def load_checkpoint(self, param: nn.Parameter, loaded: CheckpointTensor | torch.Tensor, shard: object) -> None:
-        index = self.shard_index(shard)  # type: ignore[arg-type]
+    def _rows(self, index: int | None) -> range:
         heads = self.heads.q_heads if index == 0 else self.heads.kv_heads
-        rows = range(heads.start * self.head_dim, heads.stop * self.head_dim)
-        _copy_rows(param, loaded, rows, into=self.offsets[index])
+        return range(heads.start * self.head_dim, heads.stop * self.head_dim)
+
+    def cut_weight(self, loaded: CheckpointWeight, index: int | None) -> Loaded:
+        rows = self._rows(index)
+        return cut(loaded, 0, rows.start, len(rows))
+
+    def cut_bias(self, loaded: CheckpointWeight, index: int | None) -> torch.Tensor:
+        rows = self._rows(index)
+        return read(loaded, 0, rows.start, len(rows))
 
 
 class RowParallelLinear(Linear):
     """A slice of the input columns (`in_columns`, matching the column-parallel layer before it);
-    the partial outputs are summed over the ranks, and the bias added once, after the sum."""
+    the partial outputs are summed over the ranks, and the bias added once, after the sum. A
+    quantized weight is cut on group boundaries: a method that quantizes at load quantizes the
+    whole weight first (`before_input_split`), so each rank keeps groups one rank would have."""
 
     def __init__(
-        self, in_columns: range, out_features: int, bias: bool = False, cpu_kernel: bool = False
+        self, in_columns: range, out_features: int, bias: bool = False, cpu_kernel: bool = False,
+        quant_config: QuantizationConfig | None = None, prefix: str = "",
     ) -> None:
-        super().__init__(len(in_columns), out_features, bias, cpu_kernel)
+        super().__init__(len(in_columns), out_features, bias, cpu_kernel, quant_config, prefix)
         self.in_columns = in_columns
         self.parallel = tensor_parallel().world_size > 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.parallel:
             return super().forward(x)
-        out = all_reduce(linear(x, self.weight, None, self.cpu_kernel))
+        out = all_reduce(self.quant_method.apply(self, x, None))
         return out if self.bias is None else out + self.bias
 
-    def load_checkpoint(self, param: nn.Parameter, loaded: CheckpointTensor | torch.Tensor, shard: object) -> None:
-        if param is self.bias:
-            part = read(loaded)
-        else:
-            part = read(loaded, 1, self.in_columns.start, len(self.in_columns))
-        if tuple(part.shape) != tuple(param.shape):
-            raise ValueError(f"shape mismatch: checkpoint slice {tuple(part.shape)} vs model {tuple(param.shape)}")
-        param.data.copy_(part)
+    def cut_weight(self, loaded: CheckpointWeight, index: int | None) -> Loaded:
+        if not self.parallel:
+            return cut(loaded)
+        whole = self.quant_method.before_input_split(cut(loaded))
+        return cut(whole, 1, self.in_columns.start, len(self.in_columns))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -170,8 +185,12 @@ class VocabParallelEmbedding(nn.Module):
         local = torch.where(mine, input_ids - start, torch.zeros_like(input_ids))
         return all_reduce(F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype))
 
-    def load_checkpoint(self, param: nn.Parameter, loaded: CheckpointTensor | torch.Tensor, shard: object) -> None:
-        _copy_rows(param, loaded, self.vocab_rows)
+    def load_checkpoint(self, name: str, loaded: CheckpointWeight, shard: object) -> None:
+        part = read(loaded, 0, self.vocab_rows.start, len(self.vocab_rows))
+        if tuple(part.shape) != tuple(self.weight.shape):
+            raise ValueError(
+                f"shape mismatch: checkpoint slice {tuple(part.shape)} vs model {tuple(self.weight.shape)}")
+        self.weight.data.copy_(part)
 
 
 def gather_logits(local_logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
