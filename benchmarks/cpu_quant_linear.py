@@ -1,6 +1,7 @@
 """The model's linear layers, one whole pass at a time, in every weight format the CPU kernels take:
-float32 (the packed GEMM), GGUF's Q8_0 and Q4_1 (groups of 32), gpt-fast's int4 (groups of 128),
-and 16-bit storage (fp16, bf16), all with float32 activations.
+float32 (the packed GEMM), GGUF's Q8_0 and Q4_1 (groups of 32, fp16 scales as in the file), int4
+quantized at load (float32 scales: groups of 32, which is Q4_1 with float32 scales, and gpt-fast's
+128), and 16-bit storage (fp16, bf16), all with float32 activations.
 
 Why whole passes: as in cpu_linear.py, a decode step reads every weight once, far more than the
 caches hold, so each format gets its own copy of all the model's weights (random, the model's
@@ -27,7 +28,7 @@ import torch
 from cpu_linear import model_shapes
 from machine import default_threads, format_machine, machine_report
 
-FORMATS = ["fp32", "Q8_0", "Q4_1", "int4-g128", "fp16", "bf16"]
+FORMATS = ["fp32", "Q8_0", "Q4_1", "int4-g32", "int4-g128", "fp16", "bf16"]
 
 Route = Callable[[torch.Tensor], torch.Tensor]
 
@@ -47,10 +48,14 @@ def pack(weight: torch.Tensor, fmt: str) -> tuple[Route, int]:
     quantized = {
         "Q8_0": lambda: ref.quantize_int8(weight, 32),
         "Q4_1": lambda: ref.quantize_int4(weight, 32),
+        "int4-g32": lambda: ref.quantize_int4(weight, 32),
         "int4-g128": lambda: ref.quantize_int4(weight, 128),
     }[fmt]()
     bits, group = quantized.bits, quantized.group_size
-    packed = ops.pack_quantized_weight(quantized.q, quantized.scales, quantized.mins, bits, group, 0)
+    scales, mins = quantized.scales, quantized.mins
+    if fmt.startswith("Q"):  # GGUF's blocks hold fp16 scales and mins, and the packed weight keeps them so
+        scales, mins = scales.half(), None if mins is None else mins.half()
+    packed = ops.pack_quantized_weight(quantized.q, scales, mins, bits, group, 0)
     return (lambda x: ops.quantized_linear(x, packed, None, n, k, bits, group)), packed.nbytes
 
 

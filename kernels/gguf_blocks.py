@@ -3,8 +3,10 @@
 A block covers 32 consecutive inputs of one row: an fp16 scale d (and, Q4_1, an fp16 min m), then
 the quants: 32 int8 (Q8_0, w = d q), or 16 bytes of nibbles, input i in the low nibble of byte i
 and input 16 + i in the high one (Q4_1: w = d q + m; Q4_0: w = d (q - 8) = d q + (-8 d)). Here that
-becomes q [rows, cols], scales and mins [rows, cols / 32] in float32: fp16 converts exactly, and so
-does -8 d, so the de-quantized weights are bit for bit those of llama.cpp and the gguf package.
+becomes q [rows, cols], scales and mins [rows, cols / 32] kept in fp16, as in the file (the packed
+layout keeps them so: a Q4_1 weight reads 0.625 bytes, as llama.cpp's). Q4_0's -8 d is exact in
+fp16 too (a power of two), unless it overflows (|d| > 8188): such a tensor's scales and mins are
+float32. Either way the de-quantized weights are bit for bit those of llama.cpp and the gguf package.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ BLOCK_BYTES = {"Q8_0": 2 + 32, "Q4_0": 2 + 16, "Q4_1": 2 + 2 + 16}
 
 
 def _fp16(columns: np.ndarray) -> np.ndarray:
-    """Two bytes per block as float32 [blocks]."""
-    return np.ascontiguousarray(columns).view(np.float16)[:, 0].astype(np.float32)
+    """Two bytes per block as float16 [blocks]."""
+    return np.ascontiguousarray(columns).view(np.float16)[:, 0]
 
 
 def blocks_to_quantized(data: np.ndarray | bytes, kind: str, shape: tuple[int, int]) -> QuantizedWeight:
@@ -47,7 +49,10 @@ def blocks_to_quantized(data: np.ndarray | bytes, kind: str, shape: tuple[int, i
     if kind == "Q4_1":
         mins, nibbles = _fp16(blocks[:, 2:4]), blocks[:, 4:]
     else:
-        mins, nibbles = -8 * d, blocks[:, 2:]
+        with np.errstate(over="ignore"):
+            mins, nibbles = -8 * d, blocks[:, 2:]
+        if not np.isfinite(mins[np.isfinite(d)]).all():  # -8 d overflows fp16: both in float32
+            d, mins = d.astype(np.float32), -8 * d.astype(np.float32)
     q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=1).reshape(rows, cols)
     return QuantizedWeight(torch.from_numpy(q), torch.from_numpy(d.reshape(groups)),
                            torch.from_numpy(np.ascontiguousarray(mins.reshape(groups))), 4, BLOCK)

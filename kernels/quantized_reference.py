@@ -4,9 +4,17 @@ weight gets into it, and the linear layer it stands for.
 One format covers GGUF's Q8_0 / Q4_0 / Q4_1 and the weight-only int8 / int4 of gpt-fast and torchao:
 per output feature n and group g of `group_size` consecutive inputs (the last group shorter where
 K is not a multiple of it), `w[n, k] = scales[n, g] * q[n, k] (+ mins[n, g] for 4-bit)`, q int8
-(8-bit, symmetric) or uint8 0..15 (4-bit, asymmetric), scales and mins float32. The C++ kernels
-(csrc/cpu_quant_gemm.cpp) are tested against these functions, and they are the fallback where the
-kernels cannot be built.
+(8-bit, symmetric) or uint8 0..15 (4-bit, asymmetric), scales and mins float16 or float32 (both the
+same; the packed layout keeps their dtype). The C++ kernels (csrc/cpu_quant_gemm.cpp) are tested
+against these functions, and they are the fallback where the kernels cannot be built.
+
+Whose scales are fp16: GGUF's (gguf_blocks.py), which are fp16 in the file, so a packed Q4_1 weight
+reads 0.625 bytes per weight as llama.cpp's does. The quantizers here keep float32 ones: a scale
+computed from a float checkpoint need not fit fp16 (|w| beyond 65504 overflows it, groups of tiny
+weights fall into its subnormals and lose precision), so fp16 ones would need a fallback anyway
+and q re-derived from the rounded scales; and the bytes they would save are few for the formats
+offered: 4 per row for per-channel int8, 8 per 128 weights for int4 group 128 (0.5625 bytes per
+weight against 0.53).
 """
 
 from __future__ import annotations
@@ -22,8 +30,8 @@ class QuantizedWeight:
     """A [out_features, in_features] weight in the group-wise format (see the module docstring)."""
 
     q: torch.Tensor  # [N, K]: int8 (8-bit) or uint8 holding 0..15 (4-bit)
-    scales: torch.Tensor  # [N, ceil(K / group_size)] float32
-    mins: torch.Tensor | None  # the same shape, for 4-bit; None for 8-bit
+    scales: torch.Tensor  # [N, ceil(K / group_size)] float32 or float16
+    mins: torch.Tensor | None  # the same shape and dtype, for 4-bit; None for 8-bit
     bits: int
     group_size: int
 
@@ -66,12 +74,12 @@ def quantize_int4(weight: torch.Tensor, group_size: int = 128) -> QuantizedWeigh
 
 
 def dequantize(weight: QuantizedWeight) -> torch.Tensor:
-    """The float32 weight [N, K] the format stands for (scale * q, then + min: two roundings, as
-    the gguf package's de-quantizer computes it)."""
+    """The float32 weight [N, K] the format stands for (scale * q, then + min in float32, fp16 scales
+    and mins widened exactly: two roundings, as the gguf package's de-quantizer computes it)."""
     k = weight.shape[1]
-    w = weight.q.float() * weight.scales.repeat_interleave(weight.group_size, dim=1)[:, :k]
+    w = weight.q.float() * weight.scales.float().repeat_interleave(weight.group_size, dim=1)[:, :k]
     if weight.mins is not None:
-        w = w + weight.mins.repeat_interleave(weight.group_size, dim=1)[:, :k]
+        w = w + weight.mins.float().repeat_interleave(weight.group_size, dim=1)[:, :k]
     return w
 
 

@@ -23,10 +23,6 @@
 #include "vec.h"
 #include "widen.h"
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
-
 namespace {
 
 using namespace compiled_llm_cpu;
@@ -34,59 +30,6 @@ using namespace compiled_llm_cpu;
 constexpr int64_t kNativePanel = 2 * kNativeLanes;
 // Packed bytes per work item: the fp32 GEMM's item in weights (128 KB of floats).
 constexpr int64_t kItemBytes = 64 * 1024;
-
-struct Bf16 {
-  template <typename V>
-  static V load(const uint16_t* p) {
-    const ints_of<V> bits = widen_u16<V>(p) << 16;
-    V v;
-    __builtin_memcpy(&v, &bits, sizeof(V));
-    return v;
-  }
-};
-
-// fp16 bits to float32 without a conversion instruction: rebias the exponent of normal numbers,
-// carry infinities and NaNs over, and compute subnormals (and zero) as an integer times 2^-24.
-template <typename V>
-inline V fp16_to_float_portable(const uint16_t* p) {
-  const ints_of<V> u = widen_u16<V>(p);
-  const ints_of<V> magnitude = u & 0x7fff;
-  const ints_of<V> normal = (magnitude << 13) + ((127 - 15) << 23);
-  const ints_of<V> special = (magnitude << 13) | 0x7f800000;
-  const V subnormal = __builtin_convertvector(magnitude, V) * splat<V>(0x1p-24f);
-  ints_of<V> sub_bits;
-  __builtin_memcpy(&sub_bits, &subnormal, sizeof(V));
-  const ints_of<V> bits = (magnitude >= 0x7c00 ? special : magnitude < 0x400 ? sub_bits : normal) | (u & 0x8000) << 16;
-  V v;
-  __builtin_memcpy(&v, &bits, sizeof(V));
-  return v;
-}
-
-struct Fp16 {
-  template <typename V>
-  static V load(const uint16_t* p);
-};
-
-template <>
-inline v8 Fp16::load<v8>(const uint16_t* p) {
-#if defined(__F16C__)
-  return (v8)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-#else
-  return fp16_to_float_portable<v8>(p);
-#endif
-}
-
-template <>
-inline v16 Fp16::load<v16>(const uint16_t* p) {
-#if defined(__AVX512F__)
-  return (v16)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-#elif defined(__F16C__)
-  const v8 lo = load<v8>(p), hi = load<v8>(p + 8);
-  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-#else
-  return fp16_to_float_portable<v16>(p);
-#endif
-}
 
 // y[0:MR, 0:cols] = x[0:MR, :] . panel + bias, for one panel (NV vectors of output features).
 // Small row counts split k into KU interleaved streams with their own accumulators, so the FMA

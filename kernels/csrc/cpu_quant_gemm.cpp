@@ -8,14 +8,22 @@
 // consecutive inputs (the last one shorter where K is not a multiple: 576 = 4 x 128 + 64),
 //     w[n, k] = scale[n, g] * q[n, k]  (+ min[n, g] for 4-bit),
 // q int8 for 8-bit (symmetric), 0..15 for 4-bit (asymmetric: Q4_1's d q + m; Q4_0's (q - 8) d is
-// d q + (-8 d), exact in float32). Scales and mins are float32 (GGUF's fp16 ones convert exactly).
+// d q + (-8 d), exact in float32).
+//
+// Scales and mins are fp16 or float32, as given: GGUF's d and m are fp16 in the file, and kept so a
+// Q4_1 weight reads 0.625 bytes like llama.cpp's, not 0.75 with float32 ones (20% more bytes for
+// a step bound by reading them; Q8_0 1.0625 not 1.125). Weights quantized at load from float ones
+// keep float32 scales (quantized_reference.py says why). A packed weight does not record which:
+// the two layouts' panel sizes never coincide for K > 0, so quantized_linear tells them apart by
+// the packed tensor's width, and callers pass the same arguments for both.
 //
 // Layout: panels of NR output features as in the fp32 GEMM (cpu_gemm.cpp), a uint8 tensor
 // [panels, panel bytes]. Inside a panel, one block per group: the NR scales, the NR mins (4-bit),
 // then the group's q at each k for the NR features (NR bytes; 4-bit: NR / 2 bytes, byte i holding
 // feature i in its low nibble and feature NR / 2 + i in its high one, so one zero-extension and a
-// mask or a shift give both vectors). Every block is a multiple of 64 bytes, and a pass reads each
-// panel as one sequential stream.
+// mask or a shift give both vectors). A pass reads each panel as one sequential stream. (Blocks
+// are multiples of 64 bytes except 8-bit ones with fp16 scales in 16-wide panels: 32 + 16 G; the
+// loads are unaligned ones anyway.)
 //
 // Two micro-kernels, both NR wide:
 // - few rows (decode): per group, sum_k (s q_k + m) x_k = s * sum_k q_k x_k + m * sum_k x_k, so the
@@ -32,6 +40,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "huge_pages.h"
@@ -50,13 +59,26 @@ constexpr int64_t kNativePanel = 2 * kNativeLanes;
 // items for every thread.
 constexpr int64_t kItemBytes = 32 * 1024;
 
-// Bytes of one group's block in a panel of NR features: the scales (and mins), then the q values
-// of its `length` inputs; and of a whole panel.
-constexpr int64_t scale_bytes(int64_t NR, int64_t bits) { return NR * static_cast<int64_t>(sizeof(float)) * (bits == 4 ? 2 : 1); }
-constexpr int64_t block_bytes(int64_t NR, int64_t bits, int64_t length) { return scale_bytes(NR, bits) + length * NR * bits / 8; }
+// Scales and mins in the packed layout: float32, or fp16 (its bits; converted in registers).
+using Fp16Bits = uint16_t;
+
+template <typename S, typename V>
+inline V load_scales(const S* p) {
+  if constexpr (std::is_same_v<S, float>)
+    return load<V>(p);
+  else
+    return Fp16::load<V>(p);
+}
+
+// Bytes of one group's block in a panel of NR features: the scales (and mins), `scale_size` bytes
+// each, then the q values of its `length` inputs; and of a whole panel.
+constexpr int64_t scale_bytes(int64_t NR, int64_t bits, int64_t scale_size) { return NR * scale_size * (bits == 4 ? 2 : 1); }
+constexpr int64_t block_bytes(int64_t NR, int64_t bits, int64_t scale_size, int64_t length) {
+  return scale_bytes(NR, bits, scale_size) + length * NR * bits / 8;
+}
 constexpr int64_t group_count(int64_t K, int64_t G) { return (K + G - 1) / G; }
-constexpr int64_t panel_bytes(int64_t NR, int64_t bits, int64_t K, int64_t G) {
-  return group_count(K, G) * scale_bytes(NR, bits) + K * NR * bits / 8;
+constexpr int64_t panel_bytes(int64_t NR, int64_t bits, int64_t scale_size, int64_t K, int64_t G) {
+  return group_count(K, G) * scale_bytes(NR, bits, scale_size) + K * NR * bits / 8;
 }
 
 // The NV weight vectors of one k, q converted to float (not yet scaled).
@@ -103,7 +125,7 @@ constexpr int few_rows() {
 
 // y[0:MR, 0:cols] = x[0:MR, :] . dequant(panel) + bias, group by group through sums of q x.
 // `xsum` holds each row's sums of x per group (row stride `groups`).
-template <typename V, int NV, int MR, int Bits>
+template <typename V, int NV, int MR, int Bits, typename S>
 void few_rows_kernel(const float* __restrict x, int64_t xs, const float* __restrict xsum, const uint8_t* __restrict panel,
                      int64_t K, int64_t G, float* __restrict y, int64_t ys, int64_t cols,
                      const float* __restrict bias) {
@@ -113,14 +135,14 @@ void few_rows_kernel(const float* __restrict x, int64_t xs, const float* __restr
   // Few rows are bound by memory and the conversions; KU interleaved streams of k with their own
   // accumulators keep the FMA latency chains from bounding them.
   constexpr int KU = MR <= 2 ? 2 : 1;
-  const int64_t block = block_bytes(NR, Bits, G), groups = group_count(K, G);
+  const int64_t block = block_bytes(NR, Bits, sizeof(S), G), groups = group_count(K, G);
   V total[MR][NV];
   for (int m = 0; m < MR; m++)
     for (int j = 0; j < NV; j++) total[m][j] = V{};
   for (int64_t g = 0; g < groups; g++) {
     const uint8_t* blk = panel + g * block;
     prefetch_bytes(blk + kPrefetchBytes, block);
-    const uint8_t* q = blk + scale_bytes(NR, Bits);
+    const uint8_t* q = blk + scale_bytes(NR, Bits, sizeof(S));
     const float* xg = x + g * G;
     const int64_t length = std::min(G, K - g * G);
     V acc[KU][MR][NV];
@@ -140,9 +162,9 @@ void few_rows_kernel(const float* __restrict x, int64_t xs, const float* __restr
         }
       }
     }
-    const float* scale = reinterpret_cast<const float*>(blk);
+    const S* scale = reinterpret_cast<const S*>(blk);
     for (int j = 0; j < NV; j++) {
-      const V s = load<V>(scale + j * L);
+      const V s = load_scales<S, V>(scale + j * L);
       for (int m = 0; m < MR; m++) {
         V sum = acc[0][m][j];
         for (int u = 1; u < KU; u++) sum += acc[u][m][j];
@@ -150,9 +172,9 @@ void few_rows_kernel(const float* __restrict x, int64_t xs, const float* __restr
       }
     }
     if constexpr (Bits == 4) {
-      const float* mins = scale + NR;
+      const S* mins = scale + NR;
       for (int j = 0; j < NV; j++) {
-        const V mn = load<V>(mins + j * L);
+        const V mn = load_scales<S, V>(mins + j * L);
         for (int m = 0; m < MR; m++) total[m][j] += mn * splat<V>(xsum[m * groups + g]);
       }
     }
@@ -162,27 +184,27 @@ void few_rows_kernel(const float* __restrict x, int64_t xs, const float* __restr
 
 // y[0:MR, 0:cols] = x[0:MR, :] . dequant(panel) + bias, each k's weights de-quantized once for
 // all MR rows.
-template <typename V, int NV, int MR, int Bits>
+template <typename V, int NV, int MR, int Bits, typename S>
 void many_rows_kernel(const float* __restrict x, int64_t xs, const uint8_t* __restrict panel, int64_t K, int64_t G,
                       float* __restrict y, int64_t ys, int64_t cols, const float* __restrict bias) {
   constexpr int L = lanes<V>();
   constexpr int NR = NV * L;
   constexpr int64_t step = NR * Bits / 8;
-  const int64_t block = block_bytes(NR, Bits, G), groups = group_count(K, G);
+  const int64_t block = block_bytes(NR, Bits, sizeof(S), G), groups = group_count(K, G);
   V acc[MR][NV];
   for (int m = 0; m < MR; m++)
     for (int j = 0; j < NV; j++) acc[m][j] = V{};
   for (int64_t g = 0; g < groups; g++) {
     const uint8_t* blk = panel + g * block;
     prefetch_bytes(blk + kPrefetchBytes, block);
-    const float* scale = reinterpret_cast<const float*>(blk);
-    const uint8_t* q = blk + scale_bytes(NR, Bits);
+    const S* scale = reinterpret_cast<const S*>(blk);
+    const uint8_t* q = blk + scale_bytes(NR, Bits, sizeof(S));
     const float* xg = x + g * G;
     const int64_t length = std::min(G, K - g * G);
     V s[NV], mn[NV];
     for (int j = 0; j < NV; j++) {
-      s[j] = load<V>(scale + j * L);
-      mn[j] = Bits == 4 ? load<V>(scale + NR + j * L) : V{};
+      s[j] = load_scales<S, V>(scale + j * L);
+      mn[j] = Bits == 4 ? load_scales<S, V>(scale + NR + j * L) : V{};
     }
     for (int64_t k = 0; k < length; k++) {
       V w[NV];
@@ -201,14 +223,14 @@ void many_rows_kernel(const float* __restrict x, int64_t xs, const uint8_t* __re
 
 // One block of `rows` rows (at most many_rows) against one panel, by the kernel the call's row
 // count picks (`few`: every call's rows fit few_rows).
-template <typename V, int NV, int Bits>
+template <typename V, int NV, int Bits, typename S>
 void rows_block(bool few, int rows, const float* x, int64_t xs, const float* xsum, const uint8_t* panel, int64_t K,
                 int64_t G, float* y, int64_t ys, int64_t cols, const float* bias) {
   if (few) {
     switch (rows) {
 #define CASE(R) \
   case R:       \
-    if constexpr (R <= few_rows<V>()) return few_rows_kernel<V, NV, R, Bits>(x, xs, xsum, panel, K, G, y, ys, cols, bias);
+    if constexpr (R <= few_rows<V>()) return few_rows_kernel<V, NV, R, Bits, S>(x, xs, xsum, panel, K, G, y, ys, cols, bias);
       CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6)
 #undef CASE
     }
@@ -217,7 +239,7 @@ void rows_block(bool few, int rows, const float* x, int64_t xs, const float* xsu
   switch (rows) {
 #define CASE(R) \
   case R:       \
-    if constexpr (R <= many_rows<V>()) return many_rows_kernel<V, NV, R, Bits>(x, xs, panel, K, G, y, ys, cols, bias);
+    if constexpr (R <= many_rows<V>()) return many_rows_kernel<V, NV, R, Bits, S>(x, xs, panel, K, G, y, ys, cols, bias);
     CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(9) CASE(10) CASE(11) CASE(12)
 #undef CASE
   }
@@ -240,12 +262,12 @@ std::vector<float> group_sums(const float* x, int64_t xs, int64_t M, int64_t K, 
   return sums;
 }
 
-template <typename V, int NV, int Bits>
+template <typename V, int NV, int Bits, typename S>
 void quantized_gemm(const float* x, int64_t xs, int64_t M, const uint8_t* packed, int64_t K, int64_t N, int64_t G,
                     const float* bias, float* y) {
   constexpr int64_t NR = NV * lanes<V>();
   const int64_t groups = group_count(K, G), panels = (N + NR - 1) / NR;
-  const int64_t stride = panel_bytes(NR, Bits, K, G);
+  const int64_t stride = panel_bytes(NR, Bits, sizeof(S), K, G);
   const bool few = M <= few_rows<V>();
   std::vector<float> xsum;
   if (few && Bits == 4) xsum = group_sums<V>(x, xs, M, K, G);
@@ -257,7 +279,7 @@ void quantized_gemm(const float* x, int64_t xs, int64_t M, const uint8_t* packed
     for (int64_t m = m0; m < m1; m += R) {
       const int rows = static_cast<int>(std::min<int64_t>(R, m1 - m));
       const float* sums = xsum.empty() ? nullptr : xsum.data() + m * groups;
-      rows_block<V, NV, Bits>(few, rows, x + m * xs, xs, sums, panel, K, G, y + m * N + n0, N, cols, b);
+      rows_block<V, NV, Bits, S>(few, rows, x + m * xs, xs, sums, panel, K, G, y + m * N + n0, N, cols, b);
     }
   });
 }
@@ -271,7 +293,8 @@ void check_format(int64_t bits, int64_t group_size, int64_t K) {
 }
 
 // Repacks q [N, K] (int8 for 8-bit; uint8 holding 0..15 for 4-bit), scales [N, groups] and (4-bit)
-// mins [N, groups], float32 (groups = ceil(K / group_size)), into [panels, panel bytes] uint8.
+// mins [N, groups] (groups = ceil(K / group_size)), both float32 or both float16 (kept so in the
+// layout), into [panels, panel bytes] uint8.
 at::Tensor pack_quantized_weight(const at::Tensor& q, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
                                  int64_t bits, int64_t group_size, int64_t panel) {
   TORCH_CHECK(q.dim() == 2, "q must be 2-D [out_features, in_features], got ", q.sizes());
@@ -289,8 +312,12 @@ at::Tensor pack_quantized_weight(const at::Tensor& q, const at::Tensor& scales, 
     const int largest = N == 0 ? 0 : q.max().item<uint8_t>();
     TORCH_CHECK(largest <= 15, "4-bit q must hold values 0..15, found ", largest);
   }
+  TORCH_CHECK(scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf,
+              "scales must be float32 or float16, got ", scales.scalar_type());
+  const bool half_scales = scales.scalar_type() == at::kHalf;
   auto check_params = [&](const at::Tensor& t, const char* name) {
-    TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
+    TORCH_CHECK(t.scalar_type() == scales.scalar_type(), name, " must have the scales' dtype (",
+                scales.scalar_type(), "), got ", t.scalar_type());
     TORCH_CHECK(t.dim() == 2 && t.size(0) == N && t.size(1) == groups, name, " must be [out_features, ceil(in_features / group_size)] = [",
                 N, ", ", groups, "], got ", t.sizes());
   };
@@ -298,23 +325,26 @@ at::Tensor pack_quantized_weight(const at::Tensor& q, const at::Tensor& scales, 
   if (mins.has_value()) check_params(*mins, "mins");
   const at::Tensor qc = q.contiguous(), sc = scales.contiguous();
   const at::Tensor mc = mins.has_value() ? mins->contiguous() : at::Tensor();
-  const int64_t NR = panel, panels = (N + NR - 1) / NR, block = block_bytes(NR, bits, G);
-  const int64_t stride = panel_bytes(NR, bits, K, G);
+  const int64_t scale_size = half_scales ? 2 : 4;
+  const int64_t NR = panel, panels = (N + NR - 1) / NR, block = block_bytes(NR, bits, scale_size, G);
+  const int64_t stride = panel_bytes(NR, bits, scale_size, K, G);
   at::Tensor packed = packed_weight_empty({panels, stride}, q.options().dtype(at::kByte));
   const uint8_t* qp = reinterpret_cast<const uint8_t*>(qc.data_ptr());
-  const float* sp = sc.data_ptr<float>();
-  const float* mp = mins.has_value() ? mc.data_ptr<float>() : nullptr;
+  // Scales and mins are copied as bytes, `scale_size` each (fp16 zero is all zero bits too).
+  const uint8_t* sp = reinterpret_cast<const uint8_t*>(sc.data_ptr());
+  const uint8_t* mp = mins.has_value() ? reinterpret_cast<const uint8_t*>(mc.data_ptr()) : nullptr;
   uint8_t* out = packed.data_ptr<uint8_t>();
   parallel_chunks(panels * groups, [&](int64_t item) {
     const int64_t p = item / groups, g = item % groups;
     uint8_t* blk = out + p * stride + g * block;
-    float* s = reinterpret_cast<float*>(blk);
-    float* mn = s + NR;
-    uint8_t* qo = blk + scale_bytes(NR, bits);
+    uint8_t* mn = blk + NR * scale_size;
+    uint8_t* qo = blk + scale_bytes(NR, bits, scale_size);
     for (int64_t i = 0; i < NR; i++) {  // features past N: zero scale, min and q
-      const int64_t n = p * NR + i;
-      s[i] = n < N ? sp[n * groups + g] : 0.f;
-      if (bits == 4) mn[i] = n < N ? mp[n * groups + g] : 0.f;
+      const int64_t n = p * NR + i, at = (n * groups + g) * scale_size;
+      for (int64_t b = 0; b < scale_size; b++) {
+        blk[i * scale_size + b] = n < N ? sp[at + b] : 0;
+        if (bits == 4) mn[i * scale_size + b] = n < N ? mp[at + b] : 0;
+      }
     }
     for (int64_t k = 0; k < std::min(G, K - g * G); k++) {
       const int64_t kk = g * G + k;
@@ -332,15 +362,29 @@ at::Tensor pack_quantized_weight(const at::Tensor& q, const at::Tensor& scales, 
   return packed;
 }
 
+// The GEMM for the panel width and bits, with scales of type S.
+template <typename S>
+void dispatch(int64_t NR, int64_t bits, const float* x, int64_t xs, int64_t M, const uint8_t* w, int64_t K, int64_t N,
+              int64_t G, const float* b, float* y) {
+  if (NR == 16)
+    bits == 8 ? quantized_gemm<v8, 2, 8, S>(x, xs, M, w, K, N, G, b, y) : quantized_gemm<v8, 2, 4, S>(x, xs, M, w, K, N, G, b, y);
+  else
+    bits == 8 ? quantized_gemm<v16, 2, 8, S>(x, xs, M, w, K, N, G, b, y)
+              : quantized_gemm<v16, 2, 4, S>(x, xs, M, w, K, N, G, b, y);
+}
+
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                             int64_t out_features, int64_t in_features, int64_t bits, int64_t group_size) {
   const int64_t N = out_features, K = in_features, G = group_size;
   check_format(bits, G, K);
   TORCH_CHECK(packed.dim() == 2 && packed.is_contiguous() && packed.scalar_type() == at::kByte,
               "packed weight must come from pack_quantized_weight");
-  const int64_t per_feature = panel_bytes(1, bits, K, G), NR = packed.size(1) / per_feature;
-  TORCH_CHECK(packed.size(1) == NR * per_feature && (NR == 16 || NR == 32), "packed weight was not packed with in_features ",
-              K, ", bits ", bits, " and group_size ", G);
+  // The panel width and the scales' size, from the packed width (see the top of the file).
+  int64_t NR = 0, scale_size = 0;
+  for (const int64_t size : {4, 2})
+    for (const int64_t width : {16, 32})
+      if (packed.size(1) == panel_bytes(width, bits, size, K, G)) NR = width, scale_size = size;
+  TORCH_CHECK(NR != 0, "packed weight was not packed with in_features ", K, ", bits ", bits, " and group_size ", G);
   TORCH_CHECK(N > 0 && N <= packed.size(0) * NR && N > (packed.size(0) - 1) * NR, "out_features ", N,
               " does not match the packed weight's ", packed.size(0), " panels of ", NR);
   const at::Tensor x2 = rows_of(x, K);
@@ -352,11 +396,10 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& packed, const
     const uint8_t* w = packed.data_ptr<uint8_t>();
     float* yp = y.data_ptr<float>();
     const int64_t xs = x2.stride(0);
-    if (NR == 16)
-      bits == 8 ? quantized_gemm<v8, 2, 8>(xp, xs, M, w, K, N, G, b, yp) : quantized_gemm<v8, 2, 4>(xp, xs, M, w, K, N, G, b, yp);
+    if (scale_size == 4)
+      dispatch<float>(NR, bits, xp, xs, M, w, K, N, G, b, yp);
     else
-      bits == 8 ? quantized_gemm<v16, 2, 8>(xp, xs, M, w, K, N, G, b, yp)
-                : quantized_gemm<v16, 2, 4>(xp, xs, M, w, K, N, G, b, yp);
+      dispatch<Fp16Bits>(NR, bits, xp, xs, M, w, K, N, G, b, yp);
   }
   return y.view(output_sizes(x, N));
 }

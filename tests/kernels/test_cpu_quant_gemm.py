@@ -75,6 +75,13 @@ def quantize(w: torch.Tensor, bits: int, group_size: int) -> ref.QuantizedWeight
     return ref.quantize_int8(w, group_size) if bits == 8 else ref.quantize_int4(w, group_size)
 
 
+def with_fp16_scales(weight: ref.QuantizedWeight) -> ref.QuantizedWeight:
+    """The weight with its scales and mins rounded to fp16, as GGUF's blocks hold them (the weight it
+    stands for changes a little; kernel and reference both compute with the rounded one)."""
+    mins = None if weight.mins is None else weight.mins.half()
+    return ref.QuantizedWeight(weight.q, weight.scales.half(), mins, weight.bits, weight.group_size)
+
+
 def run_quantized(
     x: torch.Tensor, weight: ref.QuantizedWeight, bias: torch.Tensor | None, panel: int = 0
 ) -> torch.Tensor:
@@ -99,14 +106,19 @@ def in_features_and_group(draw) -> tuple[int, int]:
     panel=st.sampled_from([16, 32]),  # the AVX2 and the AVX-512 layout, both checked on any CPU
     strided=st.booleans(),
     threads=st.sampled_from([1, 2]),
+    fp16_scales=st.booleans(),  # GGUF's layout, and the float32 one of weights quantized at load
     seed=st.integers(0, 2**16),
 )
-def test_quantized_linear_matches_the_reference(rows, out_features, k_group, bits, bias, panel, strided, threads, seed):
+def test_quantized_linear_matches_the_reference(
+    rows, out_features, k_group, bits, bias, panel, strided, threads, fp16_scales, seed
+):
     in_features, group = k_group
     g = torch.Generator().manual_seed(seed)
     wide = torch.randn(rows, in_features * (3 if strided else 1), generator=g)
     x = wide[:, in_features : 2 * in_features] if strided else wide  # like a slice of a fused projection
     weight = quantize(torch.randn(out_features, in_features, generator=g), bits, group)
+    if fp16_scales:
+        weight = with_fp16_scales(weight)
     b = torch.randn(out_features, generator=g) if bias else None
     with with_threads(threads):
         got = run_quantized(x, weight, b, panel)
@@ -151,9 +163,10 @@ def test_fp16_conversion_is_exact_for_every_value():
     assert got[expected.isnan()].isnan().all()
 
 
-FORMATS = {  # GGUF's groups of 32, gpt-fast's int4 groups of 128, per-channel int8, 16-bit storage
-    "Q8_0": lambda w: ref.quantize_int8(w, 32),
-    "Q4_1": lambda w: ref.quantize_int4(w, 32),
+FORMATS = {  # GGUF's groups of 32 (fp16 scales), gpt-fast's int4 groups of 128, per-channel int8, 16-bit storage
+    "Q8_0": lambda w: with_fp16_scales(ref.quantize_int8(w, 32)),
+    "Q4_1": lambda w: with_fp16_scales(ref.quantize_int4(w, 32)),
+    "int4-g32": lambda w: ref.quantize_int4(w, 32),
     "int4-g128": lambda w: ref.quantize_int4(w, 128),
     "int8-channel": lambda w: ref.quantize_int8(w),
     "float16": lambda w: w.half(),
@@ -209,10 +222,39 @@ def test_gguf_blocks_decode_as_the_gguf_package_and_multiply(kind):
     expected = torch.from_numpy(dequantize(data, GGMLQuantizationType[kind]).reshape(rows, cols))
     assert torch.equal(ref.dequantize(weight), expected)  # bit for bit
     assert weight.group_size == 32 and weight.bits == (8 if kind == "Q8_0" else 4)
+    assert weight.scales.dtype == torch.float16  # as in the file: the packed weight keeps them so
+    assert weight.mins is None or weight.mins.dtype == torch.float16
     for rows_x in (1, 3, 20):
         x = torch.randn(rows_x, cols)
         got = run_quantized(x, weight, None)
         assert_within_rounding(got, x, magnitudes(weight), None, reference(x, expected, None))
+
+
+def test_q4_0_scales_whose_minus_8_d_overflows_fp16_become_float32():
+    """Q4_0's min -8 d is exact in fp16 unless |d| > 8188: then the tensor's scales and mins are float32,
+    and the weights still de-quantize bit for bit as the gguf package's."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    rng = np.random.default_rng(1)
+    data = random_gguf_blocks("Q4_0", 3, 64, rng)
+    data.reshape(6, -1)[2, :2] = np.array([-9000.0], np.float16).view(np.uint8)
+    weight = blocks_to_quantized(data, "Q4_0", (3, 64))
+    assert weight.scales.dtype == weight.mins.dtype == torch.float32
+    expected = torch.from_numpy(dequantize(data, GGMLQuantizationType.Q4_0).reshape(3, 64))
+    assert torch.equal(ref.dequantize(weight), expected)
+    x = torch.randn(2, 64)
+    assert_within_rounding(run_quantized(x, weight, None), x, magnitudes(weight), None, reference(x, expected, None))
+
+
+def test_fp16_scales_make_q4_1_read_as_many_bytes_as_llama_cpp():
+    """0.625 bytes per weight for Q4_1 (16 nibble bytes, fp16 d and m per 32), 1.0625 for Q8_0."""
+    w = torch.randn(64, 576)
+    for weight, per_weight in [(with_fp16_scales(ref.quantize_int4(w, 32)), 0.625),
+                               (with_fp16_scales(ref.quantize_int8(w, 32)), 1.0625),
+                               (ref.quantize_int4(w, 32), 0.75)]:
+        packed = ops.pack_quantized_weight(weight.q, weight.scales, weight.mins, weight.bits, 32, 0)
+        assert packed.nbytes == 64 * 576 * per_weight
 
 
 def test_packed_layout():
@@ -228,6 +270,13 @@ def test_packed_layout():
     assert torch.equal(mins, w.mins[:16, 1])
     nibbles = packed[0, block + 128 :].reshape(32, 8)  # k, byte i: feature i low, feature 8 + i high
     assert torch.equal(nibbles & 15, w.q[:8, 64:].T) and torch.equal(nibbles >> 4, w.q[8:16, 64:].T)
+    half = with_fp16_scales(w)  # the same with 2-byte scales and mins
+    packed = ops.pack_quantized_weight(half.q, half.scales, half.mins, 4, 64, 16)
+    block = 16 * 4 + 64 * 8
+    assert packed.shape == (2, block + 16 * 4 + 32 * 8)
+    assert torch.equal(packed[1, :32].view(torch.float16)[:4], half.scales[16:, 0])
+    assert torch.equal(packed[0, block + 32 : block + 64].view(torch.float16), half.mins[:16, 1])
+    assert torch.equal(packed[0, block + 64 :].reshape(32, 8) & 15, w.q[:8, 64:].T)
     assert ops.pack_half_weight(torch.randn(40, 24).half(), 16).shape == (3, 24, 16)
 
 
@@ -296,8 +345,10 @@ def test_bad_arguments_are_clear_errors():
         pack(w4.q + 1, w4.scales, w4.mins, 4, 32, 0)
     with pytest.raises(RuntimeError, match=r"scales must be \[out_features, ceil\(in_features / group_size\)\]"):
         pack(w4.q, w4.scales[:, :1], w4.mins, 4, 32, 0)
-    with pytest.raises(RuntimeError, match="mins must be float32"):
+    with pytest.raises(RuntimeError, match=r"mins must have the scales' dtype \(Float\), got Half"):
         pack(w4.q, w4.scales, w4.mins.half(), 4, 32, 0)
+    with pytest.raises(RuntimeError, match="scales must be float32 or float16, got BFloat16"):
+        pack(w4.q, w4.scales.bfloat16(), w4.mins.bfloat16(), 4, 32, 0)
     with pytest.raises(RuntimeError, match="panel width must be 16 or 32"):
         pack(w4.q, w4.scales, w4.mins, 4, 32, 24)
 
