@@ -55,7 +55,8 @@ def _register_fakes() -> None:
         width = panel if panel > 0 else torch.ops.compiled_llm_cpu.native_panel_width()
         n, k = q.shape
         groups = -(-k // group_size)
-        panel_bytes = width * (groups * 4 * (2 if bits == 4 else 1) + k * bits // 8)  # scales, mins, q
+        scale_size = scales.element_size()  # fp16 or float32 scales and mins, kept so in the layout
+        panel_bytes = width * (groups * scale_size * (2 if bits == 4 else 1) + k * bits // 8)  # scales, mins, q
         return q.new_empty(-(-n // width), panel_bytes, dtype=torch.uint8)
 
     @torch.library.register_fake("compiled_llm_cpu::quantized_linear")

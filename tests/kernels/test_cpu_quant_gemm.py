@@ -313,6 +313,8 @@ def test_fake_kernels_give_the_shapes():
     half = torch.randn(40, 64).bfloat16()
     packed = ops.pack_quantized_weight(w.q, w.scales, w.mins, 4, 32, 16)
     packed_half = ops.pack_half_weight(half, 32)
+    fp16_scaled = [(weight, ops.pack_quantized_weight(weight.q, weight.scales, weight.mins, weight.bits, 32, 16))
+                   for weight in (with_fp16_scales(w), with_fp16_scales(ref.quantize_int8(torch.randn(40, 64), 32)))]
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         x = mode.from_tensor(torch.randn(5, 7, 64))
         assert ops.quantized_linear(x, mode.from_tensor(packed), None, 40, 64, 4, 32).shape == (5, 7, 40)
@@ -320,6 +322,11 @@ def test_fake_kernels_give_the_shapes():
         fake_w = mode.from_tensor(w.q)
         got = ops.pack_quantized_weight(fake_w, mode.from_tensor(w.scales), mode.from_tensor(w.mins), 4, 32, 16)
         assert got.shape == packed.shape and got.dtype == torch.uint8
+        for weight, real in fp16_scaled:  # 2-byte scales and mins: narrower panels
+            mins = None if weight.mins is None else mode.from_tensor(weight.mins)
+            fake = ops.pack_quantized_weight(mode.from_tensor(weight.q), mode.from_tensor(weight.scales), mins,
+                                             weight.bits, 32, 16)
+            assert fake.shape == real.shape
         assert ops.pack_half_weight(mode.from_tensor(half), 32).shape == packed_half.shape
 
 
