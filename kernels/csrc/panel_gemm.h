@@ -18,7 +18,7 @@ namespace compiled_llm_cpu {
 // Few-row passes (decode) are bound by reading the weights: they ask for the weight bytes this far
 // ahead, so that the loads in flight keep the memory bus busy across the 4 KB page boundaries where
 // the hardware prefetcher starts over (the fp32 GEMM's distance, measured on a Zen 3). The hint is
-// prefetcht1, not the fp32 GEMM's prefetchnta: on an AVX-512 Xeon VM (2 cores) a batch-1 pass over
+// prefetcht1, as the fp32 GEMM's now is: on an AVX-512 Xeon VM (2 cores) a batch-1 pass over
 // a 56 MB fp16 weight read 5.3 GB/s with nta, 13.3 with no prefetch, 15.9 with t1 (t0 and t2
 // within noise of t1); Q8_0 6.4 -> 12.5 GB/s, Q4_1 5.7 -> 11.4.
 constexpr int64_t kPrefetchBytes = 4096;
