@@ -88,7 +88,7 @@ def part_rows(layer: nn.Module, shard_index: int | None) -> tuple[int, int]:
 
 def narrow_weight(loaded: Loaded, dim: int, start: int, length: int) -> Loaded:
     """`length` rows (dim 0) or columns (dim 1) of a weight from `start`. A quantized weight is cut
-    on group boundaries only: a group never straddles two ranks."""
+    on group boundaries only (a group never straddles two ranks), or anywhere if per channel."""
     if isinstance(loaded, torch.Tensor):
         return loaded.narrow(dim, start, length)
     q, scales, mins, size = loaded.q, loaded.scales, loaded.mins, loaded.group_size
@@ -96,6 +96,8 @@ def narrow_weight(loaded: Loaded, dim: int, start: int, length: int) -> Loaded:
         return QuantizedWeight(q.narrow(0, start, length), scales.narrow(0, start, length),
                                None if mins is None else mins.narrow(0, start, length), loaded.bits, size)
     in_features = q.shape[1]
+    if scales.shape[1] == 1:  # one scale per output channel: any columns keep it
+        return QuantizedWeight(q.narrow(1, start, length), scales, mins, loaded.bits, length)
     if start % size or (length % size and start + length != in_features):
         raise ValueError(
             f"Cannot cut columns {start}..{start + length} of a weight quantized in groups of {size}: a group "

@@ -25,6 +25,12 @@ def cpu_op_available(name: str) -> bool:
     return cpu_kernels_available() and hasattr(torch.ops.compiled_llm_cpu, name)
 
 
+def uses_quantized_kernel(device: torch.device, dtype: torch.dtype, in_features: int) -> bool:
+    """The C++ GEMM takes float32 activations on a CPU, and inputs in multiples of 32."""
+    return (device.type == "cpu" and dtype == torch.float32 and in_features % 32 == 0
+            and cpu_op_available("quantized_linear"))
+
+
 def quantize(weight: torch.Tensor, bits: int, group_size: int | None) -> QuantizedWeight:
     """`group_size` None: one group per output channel (8-bit only)."""
     if bits == 8:
@@ -81,7 +87,7 @@ class WeightOnlyLinearMethod(LinearMethod):
         layer.quantized_parts = {}
         layer.group_size = weight.group_size
         device = layer.weight_device
-        if device.type == "cpu" and layer.params_dtype == torch.float32 and cpu_op_available("quantized_linear"):
+        if uses_quantized_kernel(device, layer.params_dtype, layer.in_features):
             layer.packed_weight = torch.ops.compiled_llm_cpu.pack_quantized_weight(
                 weight.q, weight.scales, weight.mins, weight.bits, weight.group_size, 0)
             return

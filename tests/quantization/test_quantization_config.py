@@ -1,0 +1,67 @@
+"""Choosing a weight format: the names, their options, the errors, and the compile-cache key."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compiled_llm.config import QUANTIZATION_NAMES
+from compiled_llm.engine.arg_utils import EngineArgs
+from compiled_llm.entrypoints.cli import build_parser
+from compiled_llm.quantization import QUANTIZATION_METHODS
+from compiled_llm.worker.cache_factors import engine_cache_factors
+
+
+def _config(model: str, **kwargs):
+    return EngineArgs(model=model, device="cpu", max_model_len=512, **kwargs).create_engine_config()
+
+
+def test_the_flag_offers_every_registered_method():
+    assert set(QUANTIZATION_METHODS) == set(QUANTIZATION_NAMES)
+
+
+def test_an_unknown_method_is_a_clear_error(tiny_llama, capsys):
+    with pytest.raises(ValueError, match="Unknown quantization method 'int3'; known: int8, int4"):
+        _config(tiny_llama, quantization="int3")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--quantization", "int3"])
+    assert "invalid choice: 'int3'" in capsys.readouterr().err
+
+
+def test_int4_options_are_checked(tiny_llama):
+    mc = _config(tiny_llama, quantization="int4", quantization_options={"group_size": 32}).model_config
+    assert (mc.quantization, mc.quantization_options) == ("int4", {"group_size": 32})
+    from compiled_llm.quantization import get_quantization_config
+
+    with pytest.raises(ValueError, match="group_size must be one of 32, 64, 128"):
+        get_quantization_config("int4", _config(tiny_llama, quantization="int4",
+                                                quantization_options={"group_size": 48}).model_config)
+    with pytest.raises(ValueError, match="int8 takes no quantization options"):
+        get_quantization_config("int8", _config(tiny_llama, quantization="int8",
+                                                quantization_options={"group_size": 32}).model_config)
+
+
+def test_the_method_and_its_parameters_are_in_the_cache_key(tiny_llama):
+    keys = {}
+    for name, kwargs in {"fp32": {}, "int8": {"quantization": "int8"}, "int4": {"quantization": "int4"},
+                         "int4-g32": {"quantization": "int4", "quantization_options": {"group_size": 32}}}.items():
+        factors = engine_cache_factors(_config(tiny_llama, **kwargs), 0)
+        keys[name] = repr(sorted(factors.items()))
+    assert len(set(keys.values())) == 4
+    assert "quantization" not in engine_cache_factors(_config(tiny_llama), 0)  # unquantized keys unchanged
+
+
+def test_a_16_bit_dtype_without_native_compute_stores_weights_in_16_bits(tiny_llama, monkeypatch):
+    """fp16 on any CPU, bf16 on one without AMX or avx512_bf16: float32 activations over 16-bit weights."""
+    mc = _config(tiny_llama, dtype="float16").model_config
+    assert (mc.dtype, mc.quantization, mc.quantization_options) == (torch.float32, "fp16_storage",
+                                                                    {"dtype": "float16"})
+    monkeypatch.setattr("compiled_llm.config.cpu_native_bf16", lambda: None)
+    mc = _config(tiny_llama, dtype="bfloat16").model_config
+    assert (mc.dtype, mc.quantization, mc.quantization_options) == (torch.float32, "fp16_storage",
+                                                                    {"dtype": "bfloat16"})
+    monkeypatch.setattr("compiled_llm.config.cpu_native_bf16", lambda: "amx_bf16")
+    mc = _config(tiny_llama, dtype="bfloat16").model_config
+    assert (mc.dtype, mc.quantization) == (torch.bfloat16, None)  # native bf16: computed in bf16
+    with pytest.raises(ValueError, match="fp16_storage stores the weights in --dtype bfloat16 or float16"):
+        _config(tiny_llama, quantization="fp16_storage", dtype="float32")
