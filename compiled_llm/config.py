@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from compiled_llm.compilation.config import CompilationConfig
+from compiled_llm.gguf_file import is_gguf, metadata_folder
 from compiled_llm.utils import cpu_flags
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -92,7 +93,9 @@ def describe_cpu_dtype(dtype: torch.dtype) -> str:
 
 
 # The weight formats of `--quantization` (compiled_llm/quantization/ holds one file per method).
-QUANTIZATION_NAMES = ("int8", "int4", "fp16_storage")
+QUANTIZATION_NAMES = ("int8", "int4", "fp16_storage", "gguf")
+# The method of a .gguf MODEL (and of no other): its blocks served as they ship.
+GGUF = "gguf"
 # The 16-bit weight storage method: float32 activations over 16-bit weights.
 HALF_STORAGE = "fp16_storage"
 
@@ -139,7 +142,10 @@ def rope_parameters(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
 
 @dataclass
 class ModelConfig:
-    model: str  # a local Hugging Face folder
+    model: str  # a local Hugging Face folder, or a .gguf file
+    # The folder the config, tokenizer and chat template are read from: the model folder, or a GGUF
+    # file's metadata folder (gguf_file.py).
+    tokenizer: str
     hf_config: Any
     dtype: torch.dtype
     max_model_len: int
@@ -191,14 +197,23 @@ class ModelConfig:
     ) -> "ModelConfig":
         from transformers import AutoConfig
 
-        folder = Path(model)
-        if not folder.is_dir():
-            raise FileNotFoundError(
-                f"Model folder {model!r} does not exist. compiled-llm loads local Hugging Face folders "
-                "(config.json, *.safetensors, tokenizer files); nothing is fetched from a hub."
-            )
-        if not (folder / "config.json").is_file():
-            raise FileNotFoundError(f"{folder} has no config.json; it is not a Hugging Face model folder.")
+        path = Path(model)
+        if is_gguf(path):  # config and tokenizer from the file's metadata, read once into a folder
+            if quantization not in (None, GGUF):
+                raise ValueError(f"{model} is a GGUF file, served by quantization method {GGUF!r}, not "
+                                 f"{quantization!r}.")
+            quantization, folder = GGUF, metadata_folder(path)
+        else:
+            if quantization == GGUF:
+                raise ValueError(f"Quantization method {GGUF!r} serves a .gguf MODEL file; {model!r} is not one.")
+            folder = path
+            if not folder.is_dir():
+                raise FileNotFoundError(
+                    f"Model folder {model!r} does not exist. compiled-llm loads local Hugging Face folders "
+                    "(config.json, *.safetensors, tokenizer files) or .gguf files; nothing is fetched from a hub."
+                )
+            if not (folder / "config.json").is_file():
+                raise FileNotFoundError(f"{folder} has no config.json; it is not a Hugging Face model folder.")
         hf_config = AutoConfig.from_pretrained(folder)
         archs = getattr(hf_config, "architectures", None) or []
         if not archs or archs[0] not in SUPPORTED_ARCHITECTURES:
@@ -220,15 +235,18 @@ class ModelConfig:
             raise ValueError(
                 f"max_model_len={max_model_len} exceeds the model's max_position_embeddings ({limit})."
             )
+        if quantization == GGUF and dtype == "auto" and device.type == "cpu":
+            dtype = torch.float32  # the CPU kernels de-quantize GGUF blocks against float32 activations
         quantization, quantization_options, activation_dtype = resolve_quantization(
             quantization, quantization_options, resolve_dtype(dtype, hf_config, device), device)
         return cls(
-            model=str(folder),
+            model=str(path),
+            tokenizer=str(folder),
             hf_config=hf_config,
             dtype=activation_dtype,
             max_model_len=int(max_model_len),
             eos_token_ids=_eos_token_ids(folder, hf_config),
-            served_model_name=served_model_name or folder.name,
+            served_model_name=served_model_name or (path.stem if is_gguf(path) else path.name),
             seed=seed,
             max_logprobs=max_logprobs,
             load_format=load_format,

@@ -39,7 +39,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "quantization": SHARED | {"kernels", "distributed"},  # the weight formats the models' linears ask for
     "distributed": FOUNDATION,
     "messages": FOUNDATION | {"sampling_params"},
-    "config": FOUNDATION | {"compilation.config"},
+    "config": FOUNDATION | {"compilation.config", "gguf_file"},  # a .gguf MODEL's config and tokenizer folder
     "compilation.config": FOUNDATION | {"compilation"},  # its defaults come from the cache and the passes
     "sampling_params": FOUNDATION,
     "structured_output_spec": FOUNDATION | {"sampling_params"},  # what a request's constraint becomes

@@ -22,6 +22,7 @@ from typing import Any, Callable, TypeVar
 from compiled_llm.compilation.config import CompilationConfig, CUDAGraphMode
 from compiled_llm.config import (
     EXECUTOR_BACKENDS,
+    GGUF,
     QUANTIZATION_NAMES,
     SCHEDULING_POLICIES,
     CacheConfig,
@@ -131,15 +132,18 @@ class CliArgs:
 @dataclass
 class EngineArgs(CliArgs):
     model: str | None = field(default=None, metadata={"positional": True, "help": (
-        "Hugging Face model folder (default: the bundled SmolLM2-135M-Instruct).")})
-    served_model_name: str | None = setting(None, "The model's name in the API (default: the folder's name).")
+        "Hugging Face model folder or .gguf file (default: the bundled SmolLM2-135M-Instruct, converted to "
+        "float32; with --quantization gguf, its shipped Q4_1 file).")})
+    served_model_name: str | None = setting(None, "The model's name in the API (default: the folder's or file's "
+                                                  "name).")
     dtype: str = setting("auto", "auto: bf16 on a CPU with native bf16 (AMX or avx512_bf16), else float32; on a "
                                  "GPU the checkpoint's. The choice and its reason are logged at start-up.",
                          choices=["auto", "float32", "bfloat16", "float16"])
     quantization: str | None = setting(
         None, "Weight format: int8 (per-channel) or int4 (group-wise) weight-only, quantized at load; "
         "fp16_storage (16-bit weights, float32 activations: chosen by itself for --dtype bfloat16/float16 on a "
-        "CPU without native compute for it). Default: the checkpoint's weights as they are.",
+        "CPU without native compute for it); gguf (a GGUF file's Q8_0/Q4_0/Q4_1 blocks served as they ship: "
+        "chosen by itself for a .gguf MODEL). Default: the checkpoint's weights as they are.",
         short="-q", choices=QUANTIZATION_NAMES)
     quantization_options: dict | None = setting(
         None, 'The method\'s options as JSON, e.g. \'{"group_size": 32}\' for int4 (32, 64 or 128; default 128).',
@@ -208,9 +212,9 @@ class EngineArgs(CliArgs):
         device = default_device() if self.device is None else torch.device(self.device)
         model, name = self.model, self.served_model_name
         if model is None:
-            from compiled_llm.bundled_model import BUNDLED_MODEL_NAME, bundled_model_path
+            from compiled_llm.bundled_model import BUNDLED_MODEL_NAME, bundled_gguf_path, bundled_model_path
 
-            model = str(bundled_model_path())
+            model = str(bundled_gguf_path() if self.quantization == GGUF else bundled_model_path())
             name = name or BUNDLED_MODEL_NAME
         model_config = ModelConfig.from_folder(
             model, self.dtype, device, self.max_model_len, name, self.seed, self.max_logprobs, self.load_format,

@@ -108,7 +108,7 @@ class AsyncLLM:
         self.stream_interval = stream_interval
         self.config = config
         self.model_config = config.model_config
-        self.tokenizer = get_tokenizer(config.model_config.model)
+        self.tokenizer = get_tokenizer(config.model_config.tokenizer)
         self.processor = Processor(self.model_config, self.tokenizer, config.scheduler_config.policy)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics(self.model_config.served_model_name, self.model_config.max_model_len,
@@ -125,7 +125,7 @@ class AsyncLLM:
             else AsyncMPClient(config, engine_timeout_s, engine=engine, client_index=client_index)
         )
         # Started once the engine is up, so that they load while the server starts.
-        self.chat_renderer = ChatTemplateRenderer(config.model_config.model)
+        self.chat_renderer = ChatTemplateRenderer(config.model_config.tokenizer)
         self._streams: dict[str, RequestStream] = {}
         self._handler: asyncio.Task | None = None
 

@@ -27,7 +27,7 @@ class LLMEngine:
                 "LLM steps one engine (use tensor_parallel_size to spread one model over several ranks)."
             )
         self.config = config
-        self.tokenizer = get_tokenizer(config.model_config.model)
+        self.tokenizer = get_tokenizer(config.model_config.tokenizer)
         self.processor = Processor(config.model_config, self.tokenizer, config.scheduler_config.policy)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core_client = InprocClient(config)

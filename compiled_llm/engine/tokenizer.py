@@ -8,8 +8,10 @@ from typing import Any
 from transformers import AutoTokenizer
 
 
-def get_tokenizer(model: str) -> Any:
-    return AutoTokenizer.from_pretrained(model)
+def get_tokenizer(folder: str) -> Any:
+    """The tokenizer in `folder` (`ModelConfig.tokenizer`: the model's folder, or a GGUF file's
+    metadata folder)."""
+    return AutoTokenizer.from_pretrained(folder)
 
 
 class TokenTexts:

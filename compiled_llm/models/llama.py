@@ -120,7 +120,8 @@ class DecoderModel(nn.Module):
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         theta, scaling = rope_parameters(config)
         rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, quant_config,
+                                                   f"{prefix}.embed_tokens")
         self.layers = nn.ModuleList(
             DecoderLayer(config, rotary, biases, qk_norm, cpu_kernels, quant_config, f"{prefix}.layers.{i}")
             for i in range(config.num_hidden_layers)
@@ -151,7 +152,8 @@ class LlamaForCausalLM(nn.Module):
         # the embedding's checkpoint tensor too).
         self.lm_head = ColumnParallelLinear(config.hidden_size, config.vocab_size, cpu_kernel=cpu_kernels,
                                             quant_config=quant_config, prefix="lm_head")
-        if self.tie_word_embeddings:
+        # (A table kept quantized has no float weight to share: the head loads the tensor its own way.)
+        if self.tie_word_embeddings and self.model.embed_tokens.quant_method is None:
             self.lm_head.tie_to(self.model.embed_tokens.weight)
 
     @classmethod

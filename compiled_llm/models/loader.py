@@ -16,8 +16,10 @@ from safetensors import safe_open
 from torch import nn
 
 from compiled_llm.config import ModelConfig
+from compiled_llm.gguf_file import is_gguf
 from compiled_llm.logger import init_logger
 from compiled_llm.models.checkpoint import CheckpointTensor, read
+from compiled_llm.models.gguf_loader import iterate_gguf
 from compiled_llm.models.layers.linear import CheckpointWeight, LinearBase
 from compiled_llm.models.registry import model_class
 from compiled_llm.quantization import get_quantization_config
@@ -70,8 +72,9 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, CheckpointWeight
     targets: set[str] = {name for name, _ in model.named_parameters()}
     expected_shards: dict[str, int] = {}
     for name, module in model.named_modules():
+        if getattr(module, "quant_method", None) is not None:  # linears, and an embedding kept quantized:
+            targets.add(f"{name}.weight")  # their method may keep no `weight` parameter
         if isinstance(module, LinearBase):
-            targets.add(f"{name}.weight")  # a quantized method may keep no `weight` parameter
             for part in ("weight",) + (("bias",) if module.bias is not None else ()):
                 expected_shards[f"{name}.{part}"] = len(module.output_sizes)
     filled: dict[str, set] = {}
@@ -153,7 +156,8 @@ def build_model(config: ModelConfig, device: torch.device, cpu_kernels: bool = F
     if load_format == "dummy":
         init_dummy_weights(model, config.seed)
     elif load_format == "auto":
-        load_weights(model, iterate_checkpoint(Path(config.model)))
+        load_weights(model, iterate_gguf(config.model, config.hf_config) if is_gguf(config.model)
+                     else iterate_checkpoint(Path(config.model)))
     else:
         raise ValueError(f"Unknown load_format {load_format!r}; use auto or dummy.")
     process_weights_after_loading(model)

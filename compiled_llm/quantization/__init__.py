@@ -6,11 +6,12 @@ from __future__ import annotations
 from compiled_llm.config import QUANTIZATION_NAMES, ModelConfig
 from compiled_llm.quantization.base import QuantizationConfig
 from compiled_llm.quantization.fp16_storage import HalfStorageConfig
+from compiled_llm.quantization.gguf import GGUFConfig
 from compiled_llm.quantization.int4 import Int4Config
 from compiled_llm.quantization.int8 import Int8Config
 
 QUANTIZATION_METHODS: dict[str, type[QuantizationConfig]] = {
-    cls.name: cls for cls in (Int8Config, Int4Config, HalfStorageConfig)
+    cls.name: cls for cls in (Int8Config, Int4Config, HalfStorageConfig, GGUFConfig)
 }
 
 
@@ -20,4 +21,4 @@ def get_quantization_config(name: str | None, model_config: ModelConfig) -> Quan
         return None
     if name not in QUANTIZATION_METHODS:
         raise ValueError(f"Unknown quantization method {name!r}; known: {', '.join(QUANTIZATION_NAMES)}.")
-    return QUANTIZATION_METHODS[name](dict(model_config.quantization_options))
+    return QUANTIZATION_METHODS[name].from_model_config(model_config)

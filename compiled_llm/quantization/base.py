@@ -12,13 +12,16 @@ Python, so the compiled pieces hold the method's op like any other.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from compiled_llm.kernels.quantized_reference import QuantizedWeight
+
+if TYPE_CHECKING:
+    from compiled_llm.config import ModelConfig
 
 # A checkpoint tensor as a method receives it: float, or already quantized (a GGUF block tensor).
 Loaded = torch.Tensor | QuantizedWeight
@@ -59,15 +62,42 @@ class LinearMethod(ABC):
         embedding's checkpoint tensor too, which the method stores its own way)."""
 
 
+class EmbeddingMethod(ABC):
+    """How an embedding table arrives quantized is kept and looked up (a GGUF file's blocks)."""
+
+    @abstractmethod
+    def create_weights(self, layer: nn.Module, num_embeddings: int, embedding_dim: int,
+                       params_dtype: torch.dtype) -> None:
+        """Register the table's buffers."""
+
+    @abstractmethod
+    def load(self, layer: nn.Module, loaded: Loaded) -> None:
+        """This rank's rows of the table."""
+
+    @abstractmethod
+    def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """The rows of `ids` in the model's dtype (traced: pure tensor code)."""
+
+
 class QuantizationConfig(ABC):
     """One weight format for a whole model: which `LinearMethod` each linear layer gets."""
 
     name: ClassVar[str]
 
+    @classmethod
+    def from_model_config(cls, model_config: ModelConfig) -> QuantizationConfig:
+        """The method's config for a model: by default from its `quantization_options` (a method
+        whose parameters are in the checkpoint reads them there)."""
+        return cls(dict(model_config.quantization_options))  # type: ignore[call-arg]
+
     @abstractmethod
     def linear_method(self, prefix: str) -> LinearMethod | None:
         """The method of the layer called `prefix` ("model.layers.0.self_attn.qkv_proj", "lm_head");
         None leaves that layer's weight as it is (`UnquantizedLinearMethod`), as vLLM's configs do."""
+
+    def embedding_method(self, prefix: str) -> EmbeddingMethod | None:
+        """The method of the embedding `prefix` ("model.embed_tokens"); None: a float table."""
+        return None
 
     @abstractmethod
     def cache_factors(self) -> dict[str, Any]:

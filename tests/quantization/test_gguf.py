@@ -1,6 +1,14 @@
-"""`gguf`: GGUF files read as the gguf package reads them, blocks kept packed."""
+"""`gguf`: the bundled model served from its shipped Q4_1 file, blocks kept packed.
+
+One engine (compiled, started strictly warm from a `precompile` of the file) serves the module's
+generation tests; the damaged-file tests fail before any engine is built.
+"""
 
 from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -8,15 +16,38 @@ import pytest
 import torch
 from transformers import AutoConfig
 
+from compiled_llm import LLM, SamplingParams
 from compiled_llm.bundled_model import bundled_gguf_path
-from compiled_llm.gguf_file import metadata_folder, open_gguf
+from compiled_llm.gguf_file import GGUFFileError, metadata_folder, open_gguf
 from compiled_llm.kernels.quantized_reference import QuantizedWeight, dequantize
 from compiled_llm.models.gguf_loader import iterate_gguf, rotary_row_order
+from tests.models.test_hf_parity import PROMPTS
+from tests.oracle import check_close, hf_greedy, ours_greedy
+
+ENGINE = dict(max_model_len=1024, kv_cache_memory_bytes=128 << 20)
 
 
 @pytest.fixture(scope="module")
 def gguf_path() -> str:
     return str(bundled_gguf_path())
+
+
+@pytest.fixture(scope="module")
+def precompiled(gguf_path, tmp_path_factory) -> tuple[Path, dict]:
+    """`compiled-llm precompile` of the GGUF file into a fresh compile cache."""
+    cache = tmp_path_factory.mktemp("gguf-compile-cache")
+    out = subprocess.run(["compiled-llm", "precompile", gguf_path, "--compile-cache", str(cache), "--json",
+                          "--max-model-len", str(ENGINE["max_model_len"])],
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return cache, json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def llm(gguf_path, precompiled) -> LLM:
+    """The module's one engine: the GGUF file at -O1, started from the precompiled cache."""
+    cache, _ = precompiled
+    return LLM(gguf_path, optimization_level=1, compile_cache=str(cache), require_cache_hit=True, **ENGINE)
 
 
 def test_blocks_dequantize_as_the_gguf_package_does(gguf_path):
@@ -44,3 +75,86 @@ def test_blocks_dequantize_as_the_gguf_package_does(gguf_path):
         assert torch.equal(loaded, expected), name
         seen += 1
     assert seen == len(wanted)
+
+
+def test_served_from_its_q4_1_file_matches_the_float32_conversion(llm, real_model_path):
+    """Q4_1 de-quantizes exactly into the float32 conversion's weights: only the order of the sums
+    differs, so greedy tokens agree, or where they part each is in the other's top 5."""
+    params = SamplingParams(temperature=0.0, max_tokens=32, logprobs=5, ignore_eos=True)
+    ours = llm.generate(PROMPTS, params, use_tqdm=False)
+    ids = [list(out.prompt_token_ids) for out in ours]
+    exact = check_close(ours_greedy(ours), hf_greedy(real_model_path, ids, 32), "gguf", "float32")
+    assert exact >= len(PROMPTS) // 2, f"only {exact} of {len(PROMPTS)} prompts matched exactly"
+
+
+def test_precompile_then_strict_warm_start_compiles_nothing(llm, precompiled):
+    _, cold = precompiled
+    assert cold["inductor_compilations"] > 0
+    assert llm.llm_engine.engine_core.executor.driver.compiled_forward.report.inductor_compilations == 0
+
+
+def test_chat_template_and_eos_come_from_the_file(llm):
+    messages = [{"role": "user", "content": "Say hi."}]
+    text = llm.get_tokenizer().apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+    out = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=64), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.text  # ended by <|im_end|>, the file's EOS
+
+
+def _damaged(tmp_path: Path, source: str, name: str, change) -> str:
+    data = bytearray(Path(source).read_bytes())
+    data = change(data)
+    path = tmp_path / name
+    path.write_bytes(bytes(data))
+    return str(path)
+
+
+def _type_offset(path: str, tensor_name: str) -> int:
+    """Where the type id of `tensor_name` sits in the file's tensor table."""
+    field = next(t.field for t in gguf.GGUFReader(path).tensors if t.name == tensor_name)
+    return field.offset + sum(int(part.nbytes) for part in field.parts[:4])
+
+
+def test_a_truncated_file_is_one_error_naming_the_tensor(tmp_path, gguf_path):
+    path = _damaged(tmp_path, gguf_path, "truncated.gguf", lambda d: d[: len(d) // 2])
+    with pytest.raises(GGUFFileError, match=r"truncated\.gguf: tensor 'blk\.\d+\.\w+\.weight' \(Q4_1, .*truncated"):
+        LLM(path, optimization_level=0, **ENGINE)
+
+
+def test_a_flipped_header_byte_is_one_error_naming_the_tensor(tmp_path, gguf_path):
+    offset = _type_offset(gguf_path, "blk.0.attn_q.weight")
+
+    def flip(data: bytearray) -> bytearray:
+        data[offset] ^= 0x40
+        return data
+
+    path = _damaged(tmp_path, gguf_path, "flipped.gguf", flip)
+    with pytest.raises(GGUFFileError, match=r"tensor 'blk\.0\.attn_q\.weight' has unknown type id 67"):
+        LLM(path, optimization_level=0, **ENGINE)
+
+
+def test_an_unsupported_tensor_type_is_one_error_naming_it(tmp_path, gguf_path):
+    """A one-layer model written with the gguf package, its up projection in Q5_0."""
+    source = gguf.GGUFReader(gguf_path)
+    path = tmp_path / "one-layer-q5_0.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, field in source.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = 1 if key == "llama.block_count" else field.contents()
+        sub_type = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, value, field.types[0], sub_type=sub_type)
+    for tensor in source.tensors:
+        if tensor.name.startswith("blk.") and not tensor.name.startswith("blk.0."):
+            continue
+        if tensor.name == "blk.0.ffn_up.weight":  # 1536 x 576 in blocks of 32 weights, 22 bytes each
+            writer.add_tensor(tensor.name, np.zeros((1536, 576 // 32 * 22), np.uint8),
+                              raw_dtype=gguf.GGMLQuantizationType.Q5_0)
+        else:
+            writer.add_tensor(tensor.name, np.array(tensor.data), raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(GGUFFileError, match=r"tensor 'blk\.0\.ffn_up\.weight' is Q5_0, which this engine cannot serve"):
+        LLM(str(path), optimization_level=0, **ENGINE)

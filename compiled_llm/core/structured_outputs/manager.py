@@ -21,7 +21,8 @@ from compiled_llm.structured_output_spec import GRAMMAR_TIME_LIMIT_S, grammar_sp
 
 class StructuredOutputManager:
     def __init__(self, model_config: ModelConfig, max_num_seqs: int) -> None:
-        self.compilers = GrammarCompilerPool(model_config.model, model_config.vocab_size, model_config.eos_token_ids)
+        self.compilers = GrammarCompilerPool(model_config.tokenizer, model_config.vocab_size,
+                                             model_config.eos_token_ids)
         self._waiting: dict[str, tuple[Request, GrammarJob]] = {}  # in arrival order
         self._bitmask = torch.empty((max_num_seqs, bitmask_width(model_config.vocab_size)), dtype=torch.int32)
 

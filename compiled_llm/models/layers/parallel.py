@@ -170,22 +170,37 @@ class VocabParallelEmbedding(nn.Module):
     """A slice of the vocabulary's embedding rows; a token outside the slice looks up zeros here,
     and the all-reduce brings in the rank that holds it."""
 
-    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, quant_config: QuantizationConfig | None = None,
+                 prefix: str = "") -> None:
         super().__init__()
         tp = tensor_parallel()
         self.vocab_rows = shard_range(vocab_size, tp.rank, tp.world_size)
         self.parallel = tp.world_size > 1
-        self.weight = nn.Parameter(torch.empty(len(self.vocab_rows), hidden_size), requires_grad=False)
+        # A table that arrives quantized (a GGUF file's blocks) is kept so and looked up by its method.
+        self.quant_method = quant_config.embedding_method(prefix) if quant_config is not None else None
+        if self.quant_method is None:
+            self.weight = nn.Parameter(torch.empty(len(self.vocab_rows), hidden_size), requires_grad=False)
+        else:
+            self.quant_method.create_weights(self, len(self.vocab_rows), hidden_size, torch.get_default_dtype())
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.embedding(self, ids)
+        return F.embedding(ids, self.weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if not self.parallel:
-            return F.embedding(input_ids, self.weight)
+            return self.lookup(input_ids)
         start, stop = self.vocab_rows.start, self.vocab_rows.stop
         mine = (input_ids >= start) & (input_ids < stop)
         local = torch.where(mine, input_ids - start, torch.zeros_like(input_ids))
-        return all_reduce(F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype))
+        rows = self.lookup(local)
+        return all_reduce(rows * mine.unsqueeze(-1).to(rows.dtype))
 
     def load_checkpoint(self, name: str, loaded: CheckpointWeight, shard: object) -> None:
+        if self.quant_method is not None:
+            self.quant_method.load(self, cut(loaded, 0, self.vocab_rows.start, len(self.vocab_rows)))
+            return
         part = read(loaded, 0, self.vocab_rows.start, len(self.vocab_rows))
         if tuple(part.shape) != tuple(self.weight.shape):
             raise ValueError(
