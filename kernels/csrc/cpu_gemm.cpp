@@ -31,7 +31,7 @@ namespace {
 using namespace compiled_llm_cpu;
 
 constexpr int64_t kNativePanel = 2 * kNativeLanes;
-// Few-row passes (decode) are bound by reading the weights: each k step asks for the weight line
+// Decode passes (few rows) are bound by reading the weights: each k step asks for the weight line
 // this far ahead, so that the loads in flight keep the memory bus busy across the 4 KB page
 // boundaries where the hardware prefetcher starts over. 4 KB measured best on a Zen 3
 // (`benchmarks/cpu_linear.py --rows 1`: 23.0 -> 21.0 ms a pass of SmolLM2's linears, prefetchnta
@@ -39,8 +39,11 @@ constexpr int64_t kNativePanel = 2 * kNativeLanes;
 // The hint is prefetcht1 (locality 2), as the quantized and 16-bit GEMMs' (panel_gemm.h): on an
 // AVX-512 Xeon VM (2 cores, load 5-9 from others), medians of 31 passes of SmolLM2's linears with
 // the hints interleaved, 1 row: nta 143 ms, t1 82, t0 82, t2 80, none 87; 4 rows: nta 231, t1 98,
-// t0 108, t2 98, none 124 (8 rows, which take no prefetch, 137-140 for all: the control). nta
+// t0 108, t2 98, none 124 (8 rows, which then took no prefetch, 137-140 for all: the control). nta
 // there is 1.7-2.4x slower than any other choice; t1 was not measured on the Zen 3.
+// Every row count prefetches (it was 4 rows at most): on the same VM, same method, 21 passes,
+// 8 rows 144 -> 129 ms, 16 181 -> 163, 32 251 -> 226, 128 694 -> 646. Distance 2 KB measured as
+// 4 KB there (1 row 79 against 81 ms), 8 KB worse (87).
 constexpr int64_t kPrefetchBytes = 4096;
 constexpr int kPrefetchLocality = 2;  // __builtin_prefetch's: 2 is prefetcht1, 0 prefetchnta
 
@@ -62,7 +65,7 @@ inline void micro_kernel(const float* __restrict x, int64_t xs, const float* __r
 #pragma GCC unroll 2
     for (int u = 0; u < KU; u++) {
       const float* w = panel + (k + u) * NR;
-      if constexpr (MR <= 4) __builtin_prefetch(w + kPrefetchBytes / sizeof(float), 0, kPrefetchLocality);
+      __builtin_prefetch(w + kPrefetchBytes / sizeof(float), 0, kPrefetchLocality);
       V wv[NV];
 #pragma GCC unroll 4
       for (int j = 0; j < NV; j++) wv[j] = load<V>(w + j * L);
