@@ -1,6 +1,6 @@
 """`--quantization int4`: group-wise asymmetric 4-bit weights (gpt-fast's and torchao's int4
 weight-only), quantized at load from any float checkpoint, float activations; about a sixth of
-float32's bytes. Group size 128 by default; 32 or 64 with
+float32's bytes (the LM head in int8: see int8.py). Group size 128 by default; 32 or 64 with
 `--quantization-options '{"group_size": 32}'` (smaller groups: closer to float, more scale bytes).
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from compiled_llm.quantization.base import LinearMethod, QuantizationConfig
-from compiled_llm.quantization.int8 import LM_HEAD
+from compiled_llm.quantization.int8 import LM_HEAD, LM_HEAD_METHOD
 from compiled_llm.quantization.weight_only import WeightOnlyLinearMethod
 
 GROUP_SIZES = (32, 64, 128)
@@ -28,11 +28,13 @@ class Int4Config(QuantizationConfig):
                              f"got {self.group_size!r}")
 
     def linear_method(self, prefix: str) -> LinearMethod | None:
-        return None if prefix == LM_HEAD else WeightOnlyLinearMethod(4, self.group_size)
+        if prefix == LM_HEAD:
+            return WeightOnlyLinearMethod(*LM_HEAD_METHOD)
+        return WeightOnlyLinearMethod(4, self.group_size)
 
     def cache_factors(self) -> dict[str, Any]:
         return {"method": self.name, "bits": 4, "group_size": self.group_size}
 
     def describe(self) -> str:
         return (f"int4: every linear group-wise asymmetric 4-bit, groups of {self.group_size} "
-                "(quantized at load), lm_head float")
+                "(quantized at load); lm_head per-channel int8")

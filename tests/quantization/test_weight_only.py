@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from compiled_llm import LLM, SamplingParams
 from compiled_llm.kernels import quantized_reference as ref
-from compiled_llm.models.layers.linear import Linear, MergedLinear
+from compiled_llm.models.layers.linear import MergedLinear
 from compiled_llm.quantization import get_quantization_config
 from compiled_llm.quantization.weight_only import WeightOnlyLinearMethod
 from tests.models.test_hf_parity import PROMPTS
@@ -68,13 +68,10 @@ def test_fused_layer_computes_with_the_quantized_parts(name, options, kernel, mo
     torch.testing.assert_close(layer(x), F.linear(x, expected_weight, layer.bias), rtol=1e-4, atol=1e-3)
 
 
-def test_int8_and_int4_leave_the_lm_head_float():
+def test_the_lm_head_gets_per_channel_int8_under_int8_and_int4():
     for name in ("int8", "int4"):
-        config = get_quantization_config(name, _Config())
-        assert config.linear_method("lm_head") is None
-        assert isinstance(config.linear_method("model.layers.0.mlp.down_proj"), WeightOnlyLinearMethod)
-    head = Linear(64, 100, quant_config=get_quantization_config("int8", _Config()), prefix="lm_head")
-    assert head.weight.dtype == torch.float32
+        head = get_quantization_config(name, _Config()).linear_method("lm_head")
+        assert isinstance(head, WeightOnlyLinearMethod) and (head.bits, head.group_size) == (8, None)
 
 
 # ---- whole models against float32 ----------------------------------------------------------------
@@ -99,6 +96,8 @@ def _with_weights_as_quantized(model: str, out: Path, quantize) -> str:
     for name, tensor in tensors.items():
         if name.endswith("proj.weight"):
             tensors[name] = ref.dequantize(quantize(tensor)).contiguous()
+        elif name == "lm_head.weight":  # int8 per channel under both methods
+            tensors[name] = ref.dequantize(ref.quantize_int8(tensor)).contiguous()
     save_file(tensors, path, metadata={"format": "pt"})
     return str(out)
 
