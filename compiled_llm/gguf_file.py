@@ -1,13 +1,13 @@
 """A GGUF file as MODEL: opened with every tensor checked; its config, tokenizer, chat template
-and tensor types as a small Hugging Face folder (no weights) written once under the user cache;
-llama.cpp's tensor names as the model's.
+and tensor table (type, shape, offset of each tensor) as a small Hugging Face folder (no weights)
+written once under the user cache; llama.cpp's tensor names as the model's.
 
 transformers reads the config and tokenizer from the file's metadata, and the gguf package its
 tables, which takes seconds each (both parse the whole vocabulary); the folder is keyed by the
 file's path, size and modification time, so a later start reads a few small files instead. The
-weights stay in the file: the model loader (models/gguf_loader.py) reads their blocks from it,
-memory-mapped. This module is shared: the engine's config reads the folder, the quantization
-method the types, the loader the names.
+weights stay in the file: the model loader (models/gguf_loader.py) reads their blocks from it
+through a memory map, at the table's offsets. This module is shared: the engine's config reads the
+folder, the quantization method the types, the loader the table and the names.
 
 A truncated file, a damaged tensor table or an unknown tensor type is one `GGUFFileError` naming
 the tensor (the gguf package itself fails on them with a bare numpy error).
@@ -21,6 +21,7 @@ import os
 import re
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -33,8 +34,8 @@ logger = init_logger(__name__)
 # GGUF's `general.architecture` -> the model class this engine builds (only Llama's tensor names
 # and its q/k row order are mapped by the loader so far).
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
-_FORMAT_VERSION = "1"  # bump when the folder's contents change
-TENSOR_TYPES = "gguf_tensor_types.json"
+_FORMAT_VERSION = "2"  # bump when the folder's contents change
+TENSOR_TABLE = "gguf_tensors.json"
 
 # llama.cpp's name of a layer's tensor -> the model's (Llama; `blk.N.` -> `model.layers.N.`).
 _LAYER_TENSORS = {
@@ -143,10 +144,22 @@ def metadata_folder(path: str | os.PathLike[str]) -> Path:
     return target
 
 
-def tensor_types(path: str | os.PathLike[str]) -> dict[str, str]:
-    """Every tensor of the file at `path` and its GGML type ("Q4_1", "F32"...), from the metadata
-    folder (reading the file's tables takes seconds: it parses the whole vocabulary)."""
-    return json.loads((metadata_folder(path) / TENSOR_TYPES).read_text())
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor's data lies in the file (checked against the file when the folder was
+    written; the folder's key changes with the file's size and modification time)."""
+
+    type: str  # the GGML type: "Q4_1", "F32"...
+    shape: tuple[int, ...]  # in torch's order (GGUF lists the fastest dimension first)
+    offset: int  # of its first byte in the file
+    n_bytes: int
+
+
+def tensor_table(path: str | os.PathLike[str]) -> dict[str, TensorEntry]:
+    """Every tensor of the file at `path` by its GGUF name, from the metadata folder: the gguf
+    package's reader parses the whole vocabulary to find them, which takes seconds."""
+    table = json.loads((metadata_folder(path) / TENSOR_TABLE).read_text())
+    return {name: TensorEntry(e["type"], tuple(e["shape"]), e["offset"], e["n_bytes"]) for name, e in table.items()}
 
 
 def _write_metadata(path: Path, out: Path) -> None:
@@ -158,8 +171,11 @@ def _write_metadata(path: Path, out: Path) -> None:
     if arch not in GGUF_ARCHITECTURES:
         raise GGUFFileError(f"{path}: GGUF architecture {arch!r} is not supported; supported: "
                             f"{', '.join(GGUF_ARCHITECTURES)}.")
-    types = {tensor.name: tensor.tensor_type.name for tensor in reader.tensors}
-    (out / TENSOR_TYPES).write_text(json.dumps(types, indent=0) + "\n")
+    if reader.byte_order != "I":
+        raise GGUFFileError(f"{path} is a GGUF file of the other byte order, which this engine does not read.")
+    table = {t.name: {"type": t.tensor_type.name, "shape": [int(d) for d in reversed(t.shape.tolist())],
+                      "offset": int(t.data_offset), "n_bytes": int(t.n_bytes)} for t in reader.tensors}
+    (out / TENSOR_TABLE).write_text(json.dumps(table, indent=0) + "\n")
     del reader
     folder, name = str(path.parent), path.name
     config = AutoConfig.from_pretrained(folder, gguf_file=name)

@@ -17,7 +17,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from compiled_llm.gguf_file import LAYER_TENSOR, GGUFFileError, model_tensor_name, open_gguf
+from compiled_llm.gguf_file import LAYER_TENSOR, GGUFFileError, model_tensor_name, tensor_table
 from compiled_llm.kernels.gguf_blocks import BLOCK_BYTES, blocks_to_quantized
 from compiled_llm.kernels.quantized_reference import QuantizedWeight
 
@@ -33,29 +33,31 @@ def rotary_row_order(rows: int, num_heads: int) -> np.ndarray:
 
 
 def iterate_gguf(path: str | Path, hf_config: Any) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
-    """Every tensor of the GGUF file at `path`, under the model's names."""
-    reader = open_gguf(path)
+    """Every tensor of the GGUF file at `path`, under the model's names, read through a memory map
+    at the offsets of the file's tensor table (gguf_file.py checked them, and keeps them)."""
+    table = tensor_table(path)
+    data = np.memmap(path, dtype=np.uint8, mode="r")
     heads = {"attn_q": hf_config.num_attention_heads,
              "attn_k": getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads}
-    for tensor in reader.tensors:
-        name = model_tensor_name(tensor.name)
+    for gguf_name, entry in table.items():
+        name = model_tensor_name(gguf_name)
         if name is None:
             continue
-        kind = tensor.tensor_type.name
+        kind, shape = entry.type, entry.shape
         if kind not in SUPPORTED_TYPES:
             raise GGUFFileError(
-                f"{path}: tensor {tensor.name!r} is {kind}, which this engine cannot serve yet (supported: "
+                f"{path}: tensor {gguf_name!r} is {kind}, which this engine cannot serve yet (supported: "
                 f"{', '.join(SUPPORTED_TYPES)}; Q4_K and Q6_K are not).")
-        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # GGUF lists the fastest dim first
-        data = np.asarray(tensor.data)
-        layer = LAYER_TENSOR.fullmatch(tensor.name)
+        raw = data[entry.offset:entry.offset + entry.n_bytes]
+        raw = raw.view(FLOAT_TYPES[kind]) if kind in FLOAT_TYPES else raw
+        layer = LAYER_TENSOR.fullmatch(gguf_name)
         if layer and layer.group(2) in heads:  # q and k: weights and biases alike
-            data = data.reshape(shape[0], -1)[rotary_row_order(shape[0], heads[layer.group(2)])]
+            raw = raw.reshape(shape[0], -1)[rotary_row_order(shape[0], heads[layer.group(2)])]
         if kind in FLOAT_TYPES:
-            yield name, torch.from_numpy(np.array(data, dtype=FLOAT_TYPES[kind]).reshape(shape))
+            yield name, torch.from_numpy(np.array(raw).reshape(shape))
             continue
         try:
-            weight = blocks_to_quantized(data, kind, shape)
+            weight = blocks_to_quantized(raw, kind, shape)
         except ValueError as e:
-            raise GGUFFileError(f"{path}: tensor {tensor.name!r} ({kind}, {shape}): {e}") from e
+            raise GGUFFileError(f"{path}: tensor {gguf_name!r} ({kind}, {shape}): {e}") from e
         yield name, weight

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from compiled_llm.config import ModelConfig
-from compiled_llm.gguf_file import GGUFFileError, model_tensor_name, tensor_types
+from compiled_llm.gguf_file import GGUFFileError, model_tensor_name, tensor_table
 from compiled_llm.kernels.quantized_reference import QuantizedWeight
 from compiled_llm.quantization.base import EmbeddingMethod, LinearMethod, Loaded, QuantizationConfig
 from compiled_llm.quantization.weight_only import WeightOnlyLinearMethod
@@ -60,7 +60,8 @@ class GGUFConfig(QuantizationConfig):
     def from_file(cls, path: str | Path) -> GGUFConfig:
         """The types of the file's tensors; one this engine cannot serve is an error naming it."""
         types = {}
-        for gguf_name, kind in tensor_types(path).items():
+        for gguf_name, entry in tensor_table(path).items():
+            kind = entry.type
             if kind not in FLOAT_TYPES and kind not in BLOCK_BITS:
                 raise unsupported(gguf_name, kind, path)
             name = model_tensor_name(gguf_name)
