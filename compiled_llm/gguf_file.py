@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from compiled_llm.logger import init_logger
-from compiled_llm.utils import user_cache_dir
+from compiled_llm.utils import UserError, user_cache_dir
 
 logger = init_logger(__name__)
 
@@ -56,9 +56,9 @@ _SKIPPED = {"rope_freqs.weight"}
 LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-class GGUFFileError(ValueError):
+class GGUFFileError(UserError, ValueError):
     """A GGUF file this engine cannot read: the message names the file and, where one is at fault,
-    the tensor."""
+    the tensor (the user's to fix: reported in one line, without a traceback)."""
 
 
 def is_gguf(model: str | os.PathLike[str]) -> bool:
