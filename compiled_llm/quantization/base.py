@@ -116,6 +116,16 @@ def part_rows(layer: nn.Module, shard_index: int | None) -> tuple[int, int]:
     return sum(sizes[:shard_index]), sizes[shard_index]
 
 
+def copy_part(layer: nn.Module, loaded: torch.Tensor, shard_index: int | None) -> None:
+    """Copy a float checkpoint tensor into its rows of the layer's float `weight` (part
+    `shard_index` of a fused layer, or all of it)."""
+    start, rows = part_rows(layer, shard_index)
+    target = layer.weight.data.narrow(0, start, rows)
+    if tuple(loaded.shape) != tuple(target.shape):
+        raise ValueError(f"shape mismatch: checkpoint {tuple(loaded.shape)} vs model {tuple(target.shape)}")
+    target.copy_(loaded)
+
+
 def narrow_weight(loaded: Loaded, dim: int, start: int, length: int) -> Loaded:
     """`length` rows (dim 0) or columns (dim 1) of a weight from `start`. A quantized weight is cut
     on group boundaries only (a group never straddles two ranks), or anywhere if per channel."""
@@ -163,11 +173,7 @@ class UnquantizedLinearMethod(LinearMethod):
     def load(self, layer: nn.Module, loaded: Loaded, shard_index: int | None) -> None:
         if isinstance(loaded, QuantizedWeight):
             raise ValueError("a quantized checkpoint tensor needs its quantization method, not the float one")
-        start, rows = part_rows(layer, shard_index)
-        target = layer.weight.data.narrow(0, start, rows)
-        if tuple(loaded.shape) != tuple(target.shape):
-            raise ValueError(f"shape mismatch: checkpoint {tuple(loaded.shape)} vs model {tuple(target.shape)}")
-        target.copy_(loaded)
+        copy_part(layer, loaded, shard_index)
         layer.packed_weight = None  # stale until packed again
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from compiled_llm.quantization.base import LinearMethod, Loaded, QuantizationConfig, part_rows
+from compiled_llm.quantization.base import LinearMethod, Loaded, QuantizationConfig, copy_part
 from compiled_llm.quantization.weight_only import cpu_op_available
 
 _STORAGE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -39,11 +39,7 @@ class HalfStorageLinearMethod(LinearMethod):
     def load(self, layer: nn.Module, loaded: Loaded, shard_index: int | None) -> None:
         if not isinstance(loaded, torch.Tensor):
             raise ValueError("16-bit weight storage loads float checkpoint tensors only")
-        start, rows = part_rows(layer, shard_index)
-        target = layer.weight.data.narrow(0, start, rows)
-        if tuple(loaded.shape) != tuple(target.shape):
-            raise ValueError(f"shape mismatch: checkpoint {tuple(loaded.shape)} vs model {tuple(target.shape)}")
-        target.copy_(loaded)
+        copy_part(layer, loaded, shard_index)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         weight = layer.weight
