@@ -343,6 +343,65 @@ class ParallelConfig:
             )
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding, in vLLM's spelling (`--speculative-config` JSON, `LLM(speculative_config=...)`).
+
+    `ngram` (prompt lookup): the next `num_speculative_tokens` tokens are proposed from the request's
+    own prompt and output, following the latest earlier occurrence of its last n tokens (n from
+    `prompt_lookup_max` down to `prompt_lookup_min`), then verified in one forward. Nothing here
+    changes the compiled graph (a verification is more query tokens, like a prompt chunk), so it is
+    not part of the compile-cache key.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 0
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config: unknown method {self.method!r}; known: "
+                             f"{', '.join(SPECULATIVE_METHODS)}.")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"speculative_config: {name} must be an integer >= 1, got {value!r}.")
+        # vLLM's defaults: one bound gives the other; neither gives 5 and 5.
+        if self.prompt_lookup_min is None and self.prompt_lookup_max is None:
+            self.prompt_lookup_min = self.prompt_lookup_max = 5
+        elif self.prompt_lookup_min is None:
+            self.prompt_lookup_min = self.prompt_lookup_max
+        elif self.prompt_lookup_max is None:
+            self.prompt_lookup_max = self.prompt_lookup_min
+        assert self.prompt_lookup_min is not None and self.prompt_lookup_max is not None
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                             f"prompt_lookup_max ({self.prompt_lookup_max}).")
+
+    @classmethod
+    def from_dict(cls, spec: dict[str, Any] | SpeculativeConfig) -> SpeculativeConfig:
+        """From the user's dict (or JSON object); an unknown key or a missing
+        `num_speculative_tokens` is an error naming it."""
+        if isinstance(spec, SpeculativeConfig):
+            return spec
+        if not isinstance(spec, dict):
+            raise ValueError(f"speculative_config must be a JSON object (a dict), got {type(spec).__name__}.")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+        unknown = sorted(set(spec) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown field(s) {', '.join(unknown)}; known: "
+                             f"{', '.join(sorted(known))}.")
+        if "method" not in spec:
+            raise ValueError("speculative_config: method is required (e.g. \"ngram\").")
+        if spec.get("num_speculative_tokens") is None:
+            raise ValueError("speculative_config: num_speculative_tokens is required (an integer >= 1).")
+        return cls(**spec)
+
+
 @dataclass
 class EngineConfig:
     model_config: ModelConfig
@@ -352,6 +411,7 @@ class EngineConfig:
     device: str = "cpu"
     num_threads: int | None = None  # CPU threads of each rank's process; None on a GPU
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative_config: SpeculativeConfig | None = None
 
     @property
     def torch_device(self) -> torch.device:

@@ -30,9 +30,13 @@ from compiled_llm.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     default_num_threads,
 )
+from compiled_llm.logger import init_logger
 from compiled_llm.utils import default_device
+
+logger = init_logger(__name__)
 
 
 def parse_ranges(text: str) -> list[tuple[int, int]]:
@@ -162,6 +166,11 @@ class EngineArgs(CliArgs):
     async_scheduling: bool | None = setting(
         None, "Schedule the next step while the device runs this one (default: on a GPU; a CPU gains nothing).",
         group=ADVANCED)
+    speculative_config: dict | None = setting(
+        None, 'Speculative decoding as JSON, vLLM\'s spelling: \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' (proposals from the request\'s own prompt and output, '
+        'verified in one forward; exact for greedy and sampling). Runs with synchronous scheduling.',
+        parse=json.loads)
     block_size: int = setting(CacheConfig.block_size, "Tokens per KV-cache block.")
     enable_prefix_caching: bool = setting(CacheConfig.enable_prefix_caching, "Reuse the KV cache of shared prefixes.")
     kv_cache_memory_bytes: int | None = setting(
@@ -210,6 +219,9 @@ class EngineArgs(CliArgs):
         import torch
 
         device = default_device() if self.device is None else torch.device(self.device)
+        speculative_config = (
+            None if self.speculative_config is None else SpeculativeConfig.from_dict(self.speculative_config)
+        )
         model, name = self.model, self.served_model_name
         if model is None:
             from compiled_llm.bundled_model import BUNDLED_MODEL_NAME, bundled_gguf_path, bundled_model_path
@@ -224,6 +236,9 @@ class EngineArgs(CliArgs):
         max_num_seqs = self.max_num_seqs or default_seqs
         max_num_batched_tokens = self.max_num_batched_tokens or max(default_tokens, max_num_seqs)
         async_scheduling = device.type == "cuda" if self.async_scheduling is None else self.async_scheduling
+        if speculative_config is not None and async_scheduling:  # drafts follow the tokens the last step accepted
+            logger.info("Speculative decoding runs with synchronous scheduling: asynchronous scheduling is off.")
+            async_scheduling = False
         scheduler_config = SchedulerConfig(
             max_num_seqs, max_num_batched_tokens, model_config.max_model_len, self.scheduling_policy, async_scheduling
         )
@@ -255,6 +270,7 @@ class EngineArgs(CliArgs):
             parallel_config=ParallelConfig(
                 self.tensor_parallel_size, self.data_parallel_size, self.distributed_executor_backend
             ),
+            speculative_config=speculative_config,
         )
 
     def _cpu_threads_per_rank(self) -> int:
