@@ -32,11 +32,12 @@ ALLOWED: dict[str, frozenset[str]] = {
     # precompile: the executor, and the worker's cache key (`--print-cache-key` builds no runner)
     "entrypoints": SHARED | {"engine", "executor", "worker", "compilation", "messages"},
     "engine": SHARED | {"core", "messages"},  # the frontend starts the core (in-process, a process, Ray)
-    "core": SHARED | {"executor", "messages"},
+    "core": SHARED | {"executor", "messages", "spec_decode"},  # the scheduler asks the proposers for drafts
     "executor": SHARED | {"worker", "distributed", "messages"},
     "worker": SHARED | {"models", "quantization", "compilation", "kernels", "distributed", "messages"},
     "models": SHARED | {"quantization", "compilation", "kernels", "distributed"},
     "quantization": SHARED | {"kernels", "distributed"},  # the weight formats the models' linears ask for
+    "spec_decode": FOUNDATION,  # proposers: pure functions of a request's tokens
     "distributed": FOUNDATION,
     "messages": FOUNDATION | {"sampling_params"},
     "config": FOUNDATION | {"compilation.config", "gguf_file"},  # a .gguf MODEL's config and tokenizer folder
