@@ -2,7 +2,8 @@
 
 Each linear layer gets the method its tensors' type asks for: Q8_0 is 8-bit and Q4_0 / Q4_1 4-bit
 in groups of 32 inputs (`WeightOnlyLinearMethod`, which packs them for the C++ GEMM that
-de-quantizes in registers), F32 / F16 the float path. The LM head, tied to the embedding in small
+de-quantizes in registers), F16 16-bit storage under float32 activations (`fp16_storage`'s
+method: the GEMM widens in registers), F32 the float path. The LM head, tied to the embedding in small
 models, takes the embedding's blocks. The embedding keeps its blocks too (one byte a weight plus a
 scale per 32) and de-quantizes only the rows a step looks up.
 
@@ -25,6 +26,7 @@ from compiled_llm.config import ModelConfig
 from compiled_llm.gguf_file import GGUFFileError, model_tensor_name, tensor_table
 from compiled_llm.kernels.quantized_reference import QuantizedWeight
 from compiled_llm.quantization.base import EmbeddingMethod, LinearMethod, Loaded, QuantizationConfig
+from compiled_llm.quantization.fp16_storage import HalfStorageLinearMethod
 from compiled_llm.quantization.weight_only import WeightOnlyLinearMethod
 
 GROUP_SIZE = 32  # every GGUF block type served here covers 32 inputs
@@ -46,18 +48,19 @@ class GGUFConfig(QuantizationConfig):
 
     name: ClassVar[str] = "gguf"
 
-    def __init__(self, tensor_types: dict[str, str]) -> None:
+    def __init__(self, tensor_types: dict[str, str], activation_dtype: torch.dtype = torch.float32) -> None:
         """`tensor_types`: the model's tensor name -> its GGML type ("Q4_1", "F32"...)."""
         self.tensor_types = tensor_types
+        self.activation_dtype = activation_dtype
 
     @classmethod
     def from_model_config(cls, model_config: ModelConfig) -> GGUFConfig:
         if model_config.quantization_options:
             raise ValueError(f"gguf takes no quantization options, got {sorted(model_config.quantization_options)}")
-        return cls.from_file(model_config.model)
+        return cls.from_file(model_config.model, model_config.dtype)
 
     @classmethod
-    def from_file(cls, path: str | Path) -> GGUFConfig:
+    def from_file(cls, path: str | Path, activation_dtype: torch.dtype = torch.float32) -> GGUFConfig:
         """The types of the file's tensors; one this engine cannot serve is an error naming it."""
         types = {}
         for gguf_name, entry in tensor_table(path).items():
@@ -67,7 +70,7 @@ class GGUFConfig(QuantizationConfig):
             name = model_tensor_name(gguf_name)
             if name is not None:
                 types[name] = kind
-        return cls(types)
+        return cls(types, activation_dtype)
 
     def weight_type(self, prefix: str) -> str:
         """The one type of the weight(s) of layer `prefix`: a fused layer's parts must agree."""
@@ -89,7 +92,11 @@ class GGUFConfig(QuantizationConfig):
 
     def linear_method(self, prefix: str) -> LinearMethod | None:
         kind = self.weight_type(prefix)
-        return WeightOnlyLinearMethod(BLOCK_BITS[kind], GROUP_SIZE) if kind in BLOCK_BITS else None
+        if kind in BLOCK_BITS:
+            return WeightOnlyLinearMethod(BLOCK_BITS[kind], GROUP_SIZE)
+        if kind == "F16" and self.activation_dtype == torch.float32:
+            return HalfStorageLinearMethod(torch.float16)  # an F16 file keeps its 2 bytes a weight
+        return None
 
     def embedding_method(self, prefix: str) -> EmbeddingMethod | None:
         kind = self.weight_type(prefix)

@@ -165,3 +165,57 @@ def test_an_unsupported_tensor_type_is_one_error_naming_it(tmp_path, gguf_path):
             LLM(str(path), optimization_level=0, **ENGINE)
     finally:  # its config and tokenizer were read: leave no folder for a file that is gone
         shutil.rmtree(metadata_folder(path), ignore_errors=True)
+
+
+def _two_layer_float_file(tmp_path: Path, source: str, dtype: np.dtype) -> str:
+    """The shipped file's first two layers with every quantized tensor de-quantized and rounded to
+    float16, written as `dtype` (F16 or F32: the very same values; norms stay F32)."""
+    reader = gguf.GGUFReader(source)
+    kind = "F16" if dtype == np.float16 else "F32"
+    path = tmp_path / f"two-layer-{kind}.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = 2 if key == "llama.block_count" else field.contents()
+        sub_type = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, value, field.types[0], sub_type=sub_type)
+    for tensor in reader.tensors:
+        if tensor.name.startswith("blk.") and int(tensor.name.split(".")[1]) >= 2:
+            continue
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        if tensor.tensor_type.name != "F32":
+            values = values.astype(np.float16).astype(dtype)
+        writer.add_tensor(tensor.name, np.ascontiguousarray(values))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+def test_an_f16_file_keeps_two_bytes_a_weight_and_answers_as_its_f32_twin(tmp_path, gguf_path):
+    """F16 tensors under float32 activations are stored in 16 bits (the half-storage GEMM widens
+    them in registers) rather than expanded; the same values written as F32 give the same tokens."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5, ignore_eos=True)
+    runs, paths = {}, {}
+    try:
+        for dtype in (np.float16, np.float32):
+            paths[dtype] = _two_layer_float_file(tmp_path, gguf_path, dtype)
+            llm = LLM(paths[dtype], optimization_level=0, **ENGINE)
+            model = llm.llm_engine.engine_core.executor.driver.model
+            qkv = model.model.layers[0].self_attn.qkv_proj
+            if dtype == np.float16:
+                assert getattr(qkv, "weight", None) is None or qkv.weight.dtype == torch.float16
+                kept = (getattr(qkv, "packed_weight", None), getattr(qkv, "weight", None))
+                packed = [b for b in kept if b is not None]
+                assert packed and all(b.dtype == torch.float16 for b in packed)
+                assert model.lm_head.packed_weight is not None and model.lm_head.packed_weight.dtype == torch.float16
+            else:
+                assert qkv.weight.dtype == torch.float32
+            runs[dtype] = ours_greedy(llm.generate(PROMPTS[:4], params, use_tqdm=False))
+            del llm
+        assert check_close(runs[np.float16], runs[np.float32], "F16", "F32") >= 3
+    finally:
+        for path in paths.values():
+            shutil.rmtree(metadata_folder(path), ignore_errors=True)
