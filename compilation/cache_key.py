@@ -1,10 +1,14 @@
 """The compile cache key: a hash of every factor that changes the compiled code.
 
 The factors are written beside the cache entry as JSON so that a person can see why two
-starts used different entries. The source hash covers every Python file of the package and the
-files defining the model's classes: a superset of what Dynamo traces, which is safe and lets
-the key be computed without tracing (`precompile --print-cache-key`). The factors come as plain
-values: an engine's are assembled on the worker's side (`compiled_llm/worker/cache_factors.py`).
+starts used different entries (`compiled-llm cache explain` compares them by name). The sources
+factor holds one digest per file: the package files the graph-building packages can reach by
+import (`GRAPH_PACKAGES` and their import closure, see source_closure.py) and the files defining
+the model's classes. That is a superset of what Dynamo traces, which is safe and lets the key be
+computed without tracing (`precompile --print-cache-key`), and it leaves out what cannot shape
+compiled code (the server, the CLI, tool parsers, the scheduler), so editing those keeps every
+cache. The factors come as plain values: an engine's are assembled on the worker's side
+(`compiled_llm/worker/cache_factors.py`).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 
 import compiled_llm
 from compiled_llm.compilation.config import CompilationConfig
+from compiled_llm.compilation.source_closure import SourceTree, import_closure
 
 
 def _hash_text(text: str) -> str:
@@ -37,13 +42,27 @@ def _config_module_hash(module: Any) -> str:
     return _hash_text(json.dumps(data, sort_keys=True, default=repr))
 
 
+# The packages whose code builds the traced graph or the code generated for it: the models and
+# their layers, the weight formats, the compiler, the kernels (custom ops and their fake
+# implementations), the collectives inside compiled pieces, and the runner that makes the traced
+# inputs. Whatever they import from the rest of the package (config, utils, messages...) joins.
+GRAPH_PACKAGES = ("compiled_llm.models", "compiled_llm.quantization", "compiled_llm.compilation",
+                  "compiled_llm.kernels", "compiled_llm.distributed", "compiled_llm.worker")
+
+
+def source_tree() -> SourceTree:
+    """compiled_llm's module names -> files (compilation/ and kernels/ are installed inside it)."""
+    return SourceTree({name: Path(importlib.import_module(name).__file__).parent
+                       for name in ("compiled_llm", "compiled_llm.compilation", "compiled_llm.kernels")})
+
+
 def package_sources() -> list[Path]:
-    """Every .py file of compiled_llm (its compilation and kernels packages included)."""
-    files: set[Path] = set()
-    for name in ("compiled_llm", "compiled_llm.compilation", "compiled_llm.kernels"):
-        folder = Path(importlib.import_module(name).__file__).parent
-        files.update(folder.rglob("*.py") if name == "compiled_llm" else folder.glob("*.py"))
-    return sorted(files)
+    """The package files that can shape compiled code: `GRAPH_PACKAGES` and the closure of their
+    imports (the package's own `__init__.py`, which re-exports the public API, is not entered)."""
+    tree = source_tree()
+    roots = [tree.file_of(name) for name in GRAPH_PACKAGES]
+    top = tree.file_of("compiled_llm")
+    return import_closure(tree, [p.parent if p.name == "__init__.py" else p for p in roots if p], leaves={top})
 
 
 def model_sources(model: torch.nn.Module) -> list[Path]:
@@ -61,12 +80,25 @@ def model_sources(model: torch.nn.Module) -> list[Path]:
     return sorted(files)
 
 
-def sources_hash(files: list[Path]) -> str:
-    h = hashlib.sha256()
+def source_digests(files: list[Path]) -> dict[str, str]:
+    """A digest per file, named by its module (`compiled_llm.models.llama`) or, outside the
+    package, by its file name, so that `cache explain` can say which files changed. The names do
+    not depend on where the package is installed: the key follows content, not paths."""
+    tree = source_tree()
+    digests: dict[str, str] = {}
     for path in sorted(set(files)):
-        h.update(path.name.encode())
-        h.update(path.read_bytes())
-    return h.hexdigest()
+        try:
+            name = tree.module_of(path)
+        except ValueError:
+            name = path.name
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+        # Two files of one name (a model file beside an edited copy): both count.
+        digests[name] = _hash_text(digests[name] + digest)[:16] if name in digests else digest
+    return digests
+
+
+def sources_hash(files: list[Path]) -> str:
+    return _hash_text(json.dumps(source_digests(files), sort_keys=True))
 
 
 def device_description(device: torch.device) -> str:
@@ -118,7 +150,7 @@ def compute_factors(
         "compile_sizes": list(compilation_config.compile_sizes),
         "splitting_ops": sorted(compilation_config.splitting_ops),
         "passes": {"enabled": list(compilation_config.passes), "uuid": PassManager(compilation_config.passes).uuid()},
-        "sources": sources_hash(source_files),
+        "sources": source_digests(source_files),
         "cpu_kernels": cpu_kernels,
         # Each tensor-parallel rank compiles its own slice of the model into its own entry.
         **({"tensor_parallel": {"rank": tensor_parallel[0], "world_size": tensor_parallel[1]}}
