@@ -5,8 +5,9 @@ The method behind `int8`, `int4` (quantized at load from any float checkpoint, p
 float copy of the model is ever held) and any format that arrives quantized (a GGUF block tensor
 is a `QuantizedWeight` already). After loading, the parts are stacked and, on a CPU with the C++
 kernels, packed once for `compiled_llm_cpu::quantized_linear`, which de-quantizes in registers
-inside the GEMM. Elsewhere (GPUs, or no kernels built) the forward is `x @ dequant(W)^T` in plain
-torch, which Inductor compiles into the piece.
+inside the GEMM; on a GPU with Triton, laid out for `compiled_llm::quant_gemm`
+(kernels/gpu_quant_linear.py), the Triton GEMM that does the same. Elsewhere (no kernels) the
+forward is `x @ dequant(W)^T` in plain torch, which Inductor compiles into the piece.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from compiled_llm.kernels.cpu_extension import cpu_kernels_available
+from compiled_llm.kernels.gpu_quant_linear import gpu_layout, triton_available
 from compiled_llm.kernels.quantized_reference import QuantizedWeight, quantize_int4, quantize_int8
 from compiled_llm.quantization.base import LinearMethod, Loaded, part_rows
 
@@ -29,6 +31,11 @@ def uses_quantized_kernel(device: torch.device, dtype: torch.dtype, in_features:
     """The C++ GEMM takes float32 activations on a CPU, and inputs in multiples of 32."""
     return (device.type == "cpu" and dtype == torch.float32 and in_features % 32 == 0
             and cpu_op_available("quantized_linear"))
+
+
+def uses_triton_kernel(device: torch.device) -> bool:
+    """A GPU computes with the Triton GEMM (kernels/triton_quant_gemm.py) where Triton is installed."""
+    return device.type == "cuda" and triton_available()
 
 
 def quantize(weight: torch.Tensor, bits: int, group_size: int | None) -> QuantizedWeight:
@@ -59,6 +66,7 @@ class WeightOnlyLinearMethod(LinearMethod):
         layer.quantized_parts = {}  # shard index -> QuantizedWeight, until process_weights_after_loading
         layer.params_dtype = params_dtype
         layer.weight_device = torch.empty(0).device  # the device the model is built on
+        layer.triton_kernel = False  # set after loading where the Triton GEMM runs
         for name in ("packed_weight", "qweight", "scales", "mins"):
             layer.register_buffer(name, None, persistent=False)
 
@@ -91,6 +99,10 @@ class WeightOnlyLinearMethod(LinearMethod):
             layer.packed_weight = torch.ops.compiled_llm_cpu.pack_quantized_weight(
                 weight.q, weight.scales, weight.mins, weight.bits, weight.group_size, 0)
             return
+        if uses_triton_kernel(device):
+            layer.qweight, layer.scales, layer.mins = gpu_layout(weight, device)
+            layer.triton_kernel = True
+            return
         layer.qweight = weight.q.to(device)
         layer.scales = weight.scales.to(device, layer.params_dtype)
         layer.mins = None if weight.mins is None else weight.mins.to(device, layer.params_dtype)
@@ -99,6 +111,9 @@ class WeightOnlyLinearMethod(LinearMethod):
         if layer.packed_weight is not None:
             return torch.ops.compiled_llm_cpu.quantized_linear(
                 x, layer.packed_weight, bias, layer.out_features, layer.in_features, self.bits, layer.group_size)
+        if layer.triton_kernel:
+            return torch.ops.compiled_llm.quant_gemm(x, layer.qweight, layer.scales, layer.mins, bias, self.bits,
+                                                     layer.group_size)
         return F.linear(x, dequantized(layer), bias)
 
 
