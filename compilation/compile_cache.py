@@ -2,13 +2,14 @@
 
 ```
 <root>/<key>/factors.json      why this entry exists (the hashed factors, readable)
+<root>/<key>/about.json        what filled it: the model named and when (not hashed)
 <root>/<key>/index.json        every other file of the entry -> its sha256 and size, and the key
 <root>/<key>/manifest.sig      HMAC-SHA256 of index.json, with a signing key (optional)
 <root>/<key>/graph.pkl, .json  the traced graph (traced_graph.py)
 <root>/<key>/artifacts/*.bin   one Inductor artifact per (piece structure, shape range or size)
 <root>/<key>/inductor/         TORCHINDUCTOR_CACHE_DIR while a cold start fills this entry
 <root>/<key>/triton/           TRITON_CACHE_DIR likewise
-<root>/.<key>.lock             held while a process fills or reads the entry
+<root>/.<key>.lock             held while a process fills or reads the entry; its mtime: last used
 ```
 
 What it promises:
@@ -25,6 +26,8 @@ What it promises:
   and no entry folder it created.
 - A damaged file is set aside (moved to `<key>.broken-*`, never deleted) and only it is rebuilt.
 - Every failure a user can fix is a `CompileCacheError` whose message is one line saying which.
+- The cache can be inspected without loading anything (`entries`, `read_factors`, `verify`,
+  `in_use`) and an entry removed only when no process holds it (`remove`): `compiled-llm cache`.
 
 The trust model: a cache entry is code (pickled graphs, generated Python, shared libraries).
 Checksums catch damage, not an attacker who can rewrite the index too; a signing key
@@ -56,6 +59,8 @@ logger = init_logger(__name__)
 INDEX_FILE = "index.json"
 SIGNATURE_FILE = "manifest.sig"
 FACTORS_FILE = "factors.json"
+ABOUT_FILE = "about.json"
+KEY_LENGTH = 16
 INDEX_VERSION = 2
 SIGNATURE_SCHEME = "hmac-sha256"
 # An OSError with one of these means the cache (or a temp folder) cannot be written.
@@ -100,6 +105,28 @@ class Stage:
 
 def default_cache_root() -> Path:
     return user_cache_dir() / "compile_cache"
+
+
+def is_entry_name(name: str) -> bool:
+    """A cache key: what names an entry folder (not a `.broken-*` folder, a lock or a stranger)."""
+    return len(name) == KEY_LENGTH and all(c in "0123456789abcdef" for c in name)
+
+
+def entries(root: str | Path) -> list[str]:
+    """The keys of the entry folders under `root`, sorted."""
+    try:
+        return sorted(p.name for p in Path(root).expanduser().iterdir() if is_entry_name(p.name) and p.is_dir())
+    except FileNotFoundError:
+        return []
+
+
+def read_json_file(path: Path) -> dict[str, Any] | None:
+    """A JSON object from the entry, for display (not authenticated), or None."""
+    try:
+        data = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def file_sha256(path: Path) -> str:
@@ -181,11 +208,13 @@ def _remove_dead_stages() -> None:
 
 class CompileCache:
     def __init__(
-        self, root: str | Path | None, key: str, factors: dict[str, Any], signing_key: bytes | None = None
+        self, root: str | Path | None, key: str, factors: dict[str, Any], signing_key: bytes | None = None,
+        about: dict[str, Any] | None = None,
     ) -> None:
         self.root = Path(root).expanduser() if root else default_cache_root()
         self.key = key
         self.factors = factors
+        self.about = about or {}  # written beside the factors, not hashed: the model's name
         self.entry = self.root / key
         self.signing_key = signing_key
         self.read_only = False  # set by `opened`
@@ -241,6 +270,7 @@ class CompileCache:
             try:
                 self._remove_temp_files()
                 yield
+                self._mark_used(lock)
             except BaseException as e:
                 error = self._as_write_error(e)  # before the clean-up frees the disk
                 emptied = self._undo_partial_writes(created_entry=not entry_existed, failed_write=error is not None)
@@ -293,9 +323,10 @@ class CompileCache:
         return not _writable(path)
 
     @contextmanager
-    def _locked(self) -> Iterator[Path]:
+    def _locked(self, wait: bool = True) -> Iterator[Path | None]:
         """Hold the lock file beside the entry (not in it: a broken entry is renamed away under the
-        lock). A holder may remove the file, so a waiter checks it locked the file still there."""
+        lock). A holder may remove the file, so a waiter checks it locked the file still there.
+        `wait=False`: yield None at once if another process holds it."""
         while True:
             try:
                 fd = self._open_lock()
@@ -303,7 +334,12 @@ class CompileCache:
                 raise CompileCacheWriteError(
                     f"cannot create the compile cache lock {self.lock_path}: {e.strerror}"
                 ) from None
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            except BlockingIOError:
+                os.close(fd)
+                yield None
+                return
             try:
                 same = os.path.samestat(os.fstat(fd), os.stat(self.lock_path))
             except FileNotFoundError:
@@ -316,6 +352,34 @@ class CompileCache:
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
+
+    @staticmethod
+    def _mark_used(lock: Path) -> None:
+        """Last used goes in the lock file's mtime: a warm start writes nothing in the entry."""
+        try:
+            os.utime(lock)
+        except OSError:
+            pass  # another user's lock file
+
+    def in_use(self) -> bool:
+        """Another process holds the entry (it is filling or loading it)."""
+        if not self.lock_path.exists():
+            return False
+        with self._locked(wait=False) as lock:
+            return lock is None
+
+    def remove(self) -> bool:
+        """Delete the entry and its lock file, unless another process holds it (then False). The
+        folder is renamed away first, so that no start ever sees half of it."""
+        with self._locked(wait=False) as lock:
+            if lock is None:
+                return False
+            if self.entry.is_dir():
+                doomed = self.root / f".{self.key}.removing-{os.getpid()}"
+                os.replace(self.entry, doomed)
+                shutil.rmtree(doomed)
+            lock.unlink(missing_ok=True)  # a waiter that locked it notices and opens a new one
+        return True
 
     def _open_lock(self) -> int:
         try:
@@ -490,6 +554,95 @@ class CompileCache:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self._stage.folder / "inductor")
         os.environ["TRITON_CACHE_DIR"] = str(self._stage.folder / "triton")
 
+    # ---- inspecting (nothing is loaded) ----------------------------------------------------------
+    def verify(self, checksums: bool = True) -> list[Damage]:
+        """Check the index (and with a signing key, its signature) and every file it lists against
+        its checksum (`checksums=False`: its size only, which reads no file), without loading or
+        copying anything. Files the index does not list (other
+        than temp files) are reported too: a start never reads them, but nothing vouches for them.
+        An empty list: the entry is whole (it may still be unfinished: see `complete`)."""
+        if not self.entry.is_dir():
+            return [Damage(".", "is missing (no entry folder)", whole_entry=True)]
+        if not (self.entry / INDEX_FILE).exists():
+            return [Damage(INDEX_FILE, "is missing: the entry is unfinished (a start was interrupted, or is "
+                                       "filling it now)", whole_entry=True)]
+        index, damage = self._read_index_file()
+        if damage is not None:
+            return [damage]
+        damages = []
+        for rel in sorted(index):
+            record = index[rel]
+            if Path(rel).is_absolute() or ".." in Path(rel).parts or not isinstance(record, dict):
+                return [Damage(INDEX_FILE, f"lists {rel!r} in a way no index written here does", whole_entry=True)]
+            path = self.entry / rel
+            if path.is_symlink() or (path.exists() and not path.is_file()):
+                damages.append(Damage(rel, "is not a plain file"))
+                continue
+            try:
+                size = path.stat().st_size
+                digest = file_sha256(path) if checksums and size == record.get("bytes") else None
+            except FileNotFoundError:
+                damages.append(Damage(rel, "is missing (listed in the index)"))
+                continue
+            except OSError as e:
+                damages.append(Damage(rel, f"is unreadable ({e.strerror})"))
+                continue
+            if size != record.get("bytes"):
+                damages.append(Damage(rel, f"does not match its checksum ({size} bytes where the index says "
+                                           f"{record.get('bytes')}: truncated or overwritten)"))
+            elif checksums and digest != record.get("sha256"):
+                damages.append(Damage(rel, "does not match its checksum (changed since it was written)"))
+        for path in sorted(self._walk(self.entry)):
+            rel = path.relative_to(self.entry).as_posix()
+            if rel not in index and rel not in (INDEX_FILE, SIGNATURE_FILE) and not is_temp_file(path.name):
+                damages.append(Damage(rel, "is not listed in the index (a foreign file: never loaded, removed by "
+                                           "the next start that compiles)"))
+        return damages
+
+    def listed(self) -> dict[str, dict[str, Any]]:
+        """What the index on disk lists (not authenticated: for display and sizes)."""
+        return self._listed_on_disk() or {}
+
+    @property
+    def signed(self) -> bool:
+        return (self.entry / SIGNATURE_FILE).is_file()
+
+    @property
+    def complete(self) -> bool:
+        """A start finished filling it: the traced graph, saved last, is listed."""
+        return "graph.pkl" in self.listed()
+
+    @property
+    def last_used(self) -> float | None:
+        """When a start last held it (the lock file's mtime), else when it was last written."""
+        for path in (self.lock_path, self.entry / INDEX_FILE, self.entry):
+            try:
+                return path.stat().st_mtime
+            except OSError:
+                continue
+        return None
+
+    @property
+    def created(self) -> float | None:
+        for path in (self.entry / FACTORS_FILE, self.entry):
+            try:
+                return path.stat().st_mtime
+            except OSError:
+                continue
+        return None
+
+    def size(self) -> int:
+        return sum(p.stat().st_size for p in self._walk(self.entry) if not p.is_symlink())
+
+    @classmethod
+    def existing(cls, root: str | Path | None, key: str, signing_key: bytes | None = None) -> CompileCache:
+        """An entry found on disk, with the factors and `about` it stored (unauthenticated, for
+        display: a start recomputes its own factors)."""
+        cache = cls(root, key, {}, signing_key)
+        cache.factors = read_json_file(cache.entry / FACTORS_FILE) or {}
+        cache.about = read_json_file(cache.entry / ABOUT_FILE) or {}
+        return cache
+
     # ---- writing -------------------------------------------------------------------------------
     def prepare(self) -> None:
         """Before compiling into the entry: create it, drop every file the index does not list
@@ -515,6 +668,9 @@ class CompileCache:
         if not (self.entry / FACTORS_FILE).exists():
             atomic_write_bytes(self.entry / FACTORS_FILE,
                                json.dumps(self.factors, indent=2, sort_keys=True, default=repr).encode())
+        if self.about and not (self.entry / ABOUT_FILE).exists():
+            about = {**self.about, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            atomic_write_bytes(self.entry / ABOUT_FILE, json.dumps(about, indent=2, sort_keys=True).encode())
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.entry / "inductor")
         os.environ["TRITON_CACHE_DIR"] = str(self.entry / "triton")
 

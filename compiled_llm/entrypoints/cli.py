@@ -89,12 +89,26 @@ def _run_precompile(args: argparse.Namespace) -> int:
     return run_precompile(args)
 
 
+def _add_cache_args(parser: argparse.ArgumentParser) -> None:
+    from compiled_llm.entrypoints.cache_cli import add_cache_args
+
+    add_cache_args(parser)
+
+
+def _run_cache(args: argparse.Namespace) -> int:
+    from compiled_llm.entrypoints.cache_cli import run_cache
+
+    return run_cache(args)
+
+
 SUBCOMMANDS: dict[str, Subcommand] = {
     "serve": Subcommand("Serve a model over an OpenAI-compatible HTTP API.", _add_serve_args, _run_serve),
     "generate": Subcommand("Print a completion of one prompt (offline, no server).", _add_generate_args,
                            _run_generate),
     "precompile": Subcommand("Fill the compile cache for a model and settings (for CI and image builds).",
                              _add_precompile_args, _run_precompile),
+    "cache": Subcommand("Inspect and manage the compile cache: list, verify, prune, explain, export, import.",
+                        _add_cache_args, _run_cache),
 }
 
 

@@ -23,6 +23,9 @@ def add_precompile_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--json", action="store_true", help="End with one line of JSON describing what was done.")
     g.add_argument("--print-cache-key", action="store_true",
                    help="Print the compile cache key for these settings and exit without compiling.")
+    g.add_argument("--explain", action="store_true",
+                   help="Say whether these settings hit the compile cache and, on a miss, which factors differ "
+                        "from the nearest entries; exit without compiling.")
 
 
 # What `--json` reports of each tensor-parallel rank.
@@ -39,6 +42,11 @@ def run_precompile(args: argparse.Namespace) -> int:
         raise SystemExit("precompile needs an optimization level of 1 or more (-O1, -O2): -O0 compiles nothing.")
     if args.print_cache_key:
         print(cache_key(engine_cache_factors(config, rank=0)))
+        return 0
+    if args.explain:
+        from compiled_llm.entrypoints.cache_cli import explain_lines
+
+        print("\n".join(explain_lines(config)))
         return 0
     started = time.perf_counter()
     # Every tensor-parallel rank compiles (or loads) its own slice into its own entry.

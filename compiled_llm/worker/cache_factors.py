@@ -42,4 +42,5 @@ def engine_compile_cache(config: EngineConfig, rank: int) -> CompileCache:
     factors = engine_cache_factors(config, rank)
     key_file = compilation.cache_signing_key_file
     signing_key = read_signing_key(key_file) if key_file else None
-    return CompileCache(compilation.cache_dir, cache_key(factors), factors, signing_key)
+    about = {"model": config.model_config.model}  # shown by `cache list`; not a factor (weights are not)
+    return CompileCache(compilation.cache_dir, cache_key(factors), factors, signing_key, about)
