@@ -50,7 +50,8 @@ class EngineCore:
         self.executor.collective_rpc("initialize_kv_cache", self.num_blocks)
         self.kv_seconds = time.perf_counter() - t
         self.executor.collective_rpc("compile_or_warm_up")
-        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.num_blocks)
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.num_blocks,
+                                   config.speculative_config)
         self._in_flight: deque[tuple[SchedulerOutput, AsyncModelRunnerOutput]] = deque()  # launched, not accounted
         self.structured_outputs: StructuredOutputManager | None = None  # made by the first constrained request
         self.startup_seconds = time.perf_counter() - started

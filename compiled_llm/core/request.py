@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from compiled_llm.core.block_hash import BlockHash, hash_block_tokens
 from compiled_llm.sampling_params import SamplingParams
+from compiled_llm.spec_decode.ngram import NgramIndex
 
 if TYPE_CHECKING:
     from compiled_llm.core.structured_outputs.grammar import RequestGrammar
@@ -66,6 +67,8 @@ class Request:
         self.num_output_placeholders = 0
         # Structured outputs: the matcher every accepted token advances (set once compiled).
         self.grammar: RequestGrammar | None = None
+        # Speculative decoding (ngram): the index of its tokens, made when first asked for drafts.
+        self.ngram: NgramIndex | None = None
         self.block_size = block_size
         self.block_hashes: list[BlockHash] = []
         self._update_block_hashes()
@@ -80,11 +83,23 @@ class Request:
         return self.sampling_params.prompt_logprobs is not None
 
     @property
+    def may_speculate(self) -> bool:
+        """Drafts are verified exactly only where a token's distribution depends on the tokens before
+        it through the model alone: not under a grammar, nor with penalties (counts of earlier
+        outputs); scoring a prompt (max_tokens=0) generates nothing to propose."""
+        params = self.sampling_params
+        return (self.grammar is None and params.structured_outputs is None and params.max_tokens != 0
+                and not params.presence_penalty and not params.frequency_penalty
+                and params.repetition_penalty == 1.0)
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self.all_token_ids) - self.num_prompt_tokens
 
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
+        if self.ngram is not None:
+            self.ngram.extend([token_id])
         if self.num_tokens % self.block_size == 0:
             self._update_block_hashes()
 

@@ -35,14 +35,15 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from compiled_llm.config import CacheConfig, SchedulerConfig
+from compiled_llm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from compiled_llm.core.block_pool import KVCacheBlock
 from compiled_llm.core.kv_cache_manager import KVCacheManager
 from compiled_llm.core.request import Request, RequestStatus
 from compiled_llm.core.request_queue import make_request_queue
-from compiled_llm.messages.engine_core import EngineCoreOutput, SchedulerStats
-from compiled_llm.messages.runner_output import ModelRunnerOutput
+from compiled_llm.messages.engine_core import EngineCoreOutput, SchedulerStats, SpecDecodingStats
+from compiled_llm.messages.runner_output import LogprobsLists, ModelRunnerOutput
 from compiled_llm.messages.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from compiled_llm.spec_decode.ngram import NgramIndex
 
 
 @dataclass
@@ -55,6 +56,7 @@ class _StepPlan:
     cached_reqs: list[CachedRequestData] = field(default_factory=list)
     # Prompt tokens each scheduled request computes (a prompt's chunk, or a recomputed one), for the stats.
     prompt_tokens: dict[str, int] = field(default_factory=dict)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)  # drafts each request verifies
     preempted: bool = False  # someone lacked room: no waiting request is admitted
 
     def take(self, request: Request, num_tokens: int) -> None:
@@ -68,12 +70,18 @@ class _StepPlan:
         """Undo `take` for a request preempted later in the same step."""
         self.token_budget += self.num_scheduled_tokens.pop(request_id)
         del self.prompt_tokens[request_id]
+        self.spec_tokens.pop(request_id, None)
         self.cached_reqs = [c for c in self.cached_reqs if c.req_id != request_id]
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int) -> None:
+    def __init__(
+        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
+        speculative_config: SpeculativeConfig | None = None,
+    ) -> None:
         """`num_blocks`: the KV cache's size, which the runners decide at start-up from their memory."""
+        self.speculative_config = speculative_config
+        self.spec_stats = SpecDecodingStats() if speculative_config is not None else None
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
@@ -157,12 +165,36 @@ class Scheduler:
             num_new = min(computable, plan.token_budget)
             if num_new <= 0:
                 continue
+            drafts = self._propose(request, plan.token_budget) if computable == 1 else []
+            num_new += len(drafts)
             new_blocks = self._allocate_preempting(request, num_new, plan)
             if new_blocks is None:  # preempted itself: nothing left to try
                 break
             plan.take(request, num_new)
+            if drafts:
+                plan.spec_tokens[request.request_id] = drafts
             block_ids = [b.block_id for b in new_blocks]
             plan.cached_reqs.append(CachedRequestData(request.request_id, block_ids, request.num_computed_tokens))
+
+    def _propose(self, request: Request, token_budget: int) -> list[int]:
+        """Draft tokens for a decoding request to verify in this step (none without speculation):
+        at most what the budget, max_model_len and max_tokens leave room for after its one known
+        token. The proposals come from here, the engine core, where every request's tokens are
+        known once a step is accounted: one index per request, grown as tokens are accepted, and
+        no tokens to ship back from the runners (each rank of a tensor-parallel group would hold
+        the same)."""
+        spec = self.speculative_config
+        if spec is None or not request.may_speculate:
+            return []
+        room = min(spec.num_speculative_tokens, token_budget - 1, self.config.max_model_len - request.num_tokens - 1)
+        if request.max_tokens is not None:
+            room = min(room, request.max_tokens - request.num_output_tokens - 1)
+        if room <= 0:
+            return []
+        if request.ngram is None:
+            assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
+            request.ngram = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max, request.all_token_ids)
+        return request.ngram.propose(room)
 
     def _allocate_preempting(self, request: Request, num_new: int, plan: _StepPlan) -> list[KVCacheBlock] | None:
         """Blocks for `num_new` more tokens of a running request, preempting victims until they fit;
@@ -233,7 +265,8 @@ class Scheduler:
         for rid, n in plan.num_scheduled_tokens.items():
             request = self.requests[rid]
             request.num_computed_tokens += n
-            samples = request.num_computed_tokens == request.num_tokens + request.num_output_placeholders
+            num_drafts = len(plan.spec_tokens.get(rid, ()))
+            samples = request.num_computed_tokens - num_drafts == request.num_tokens + request.num_output_placeholders
             if samples and request.grammar is not None:
                 constrained.append(rid)
             if self.async_scheduling and samples:
@@ -247,6 +280,7 @@ class Scheduler:
             self.finished_req_ids,
             self.preempted_req_ids,
             constrained,
+            plan.spec_tokens,
         )
         self.finished_req_ids = set()
         self.preempted_req_ids = set()
@@ -302,12 +336,24 @@ class Scheduler:
                 request.num_output_placeholders -= 1  # (asynchronous) the token it stood for
             elif request.status != RequestStatus.RUNNING:
                 continue
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(rid)
+            if drafts:
+                self._roll_back_rejected(request, len(drafts), len(sampled) - 1)
             outputs.append(self._accept_sampled(request, sampled, runner_output))
             if request.status.finished:
                 stopped.append(request)
         if stopped:
             self._remove_stopped(stopped)
         return outputs
+
+    def _roll_back_rejected(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """The step computed KV for all `num_drafts` drafts; only the accepted ones' entries hold.
+        The rejected ones' slots are written again when their positions are computed with real
+        tokens; the blocks stay with the request for its next drafts (freed with it). None of them
+        is ever cached: a block is hashed only once full of known tokens (`Request.block_hashes`)."""
+        request.num_computed_tokens -= num_drafts - num_accepted
+        assert self.spec_stats is not None and self.speculative_config is not None
+        self.spec_stats.observe(num_drafts, num_accepted, self.speculative_config.num_speculative_tokens)
 
     def _accept_sampled(
         self, request: Request, sampled: list[int], runner_output: ModelRunnerOutput
@@ -326,10 +372,14 @@ class Scheduler:
             if self._check_stop(request):
                 break
         self._generation_tokens += len(new_tokens)
+        logprobs = runner_output.logprobs.get(rid) if new_tokens else None
+        if logprobs is not None and len(logprobs.sampled_ranks) > len(new_tokens):  # tokens after a stop
+            n = len(new_tokens)
+            logprobs = LogprobsLists(logprobs.token_ids[:n], logprobs.logprobs[:n], logprobs.sampled_ranks[:n])
         out = EngineCoreOutput(
             rid,
             new_tokens,
-            runner_output.logprobs.get(rid) if new_tokens else None,
+            logprobs,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             new_prompt_logprobs=runner_output.prompt_logprobs.get(rid),
             scheduled_time=request.first_scheduled_time or 0.0,
@@ -383,6 +433,9 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             num_prompt_tokens=self._prompt_tokens,
             num_generation_tokens=self._generation_tokens,
+            spec_decoding=self.spec_stats,
         )
         self._prompt_tokens = self._generation_tokens = 0
+        if self.spec_stats is not None:
+            self.spec_stats = SpecDecodingStats()
         return stats

@@ -45,6 +45,24 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
         return self.finish_reason is not None
 
 
+class SpecDecodingStats(msgspec.Struct, omit_defaults=True):
+    """Speculative decoding since the last stats: vLLM's counters."""
+
+    num_drafts: int = 0  # verifications (a request with at least one draft token in a step)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = []  # [num_speculative_tokens]: accepted at draft position i
+
+    def observe(self, num_draft_tokens: int, num_accepted: int, num_positions: int) -> None:
+        if len(self.num_accepted_tokens_per_pos) < num_positions:
+            self.num_accepted_tokens_per_pos += [0] * (num_positions - len(self.num_accepted_tokens_per_pos))
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        for i in range(num_accepted):
+            self.num_accepted_tokens_per_pos[i] += 1
+
+
 class SchedulerStats(msgspec.Struct, omit_defaults=True):
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
@@ -54,6 +72,7 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     num_preemptions: int = 0
     num_prompt_tokens: int = 0  # newly scheduled prompt tokens since the last stats
     num_generation_tokens: int = 0
+    spec_decoding: SpecDecodingStats | None = None  # with speculative decoding on
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

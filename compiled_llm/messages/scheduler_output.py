@@ -41,6 +41,9 @@ class SchedulerOutput:
     # Requests with structured outputs that sample in this step: the order of the grammar
     # bitmask's rows, which the engine core fills once their previous tokens are accepted.
     structured_output_request_ids: list[str] = field(default_factory=list)
+    # Speculative decoding: the draft tokens each listed request verifies in this step (its
+    # num_scheduled_tokens counts them, after its one known token).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:

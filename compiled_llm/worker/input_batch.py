@@ -30,6 +30,9 @@ class InputBatch:
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        # Speculative decoding: draft tokens this step verifies, written after a row's known tokens
+        # (token_ids[row, num_tokens : num_tokens + num_drafts]) but not counted in num_tokens.
+        self.num_drafts = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
         self.req_ids: list[str | None] = [None] * max_num_reqs
@@ -55,6 +58,7 @@ class InputBatch:
         self.num_prompt_tokens[row] = new.num_prompt_tokens
         self.num_computed_tokens[row] = new.num_computed_tokens
         self.num_blocks[row] = 0
+        self.num_drafts[row] = 0
         self.pending_step[row] = -1
         wanted = new.sampling_params.prompt_logprobs
         fresh = n == new.num_prompt_tokens  # nothing generated yet: its prompt logprobs are still due
@@ -68,6 +72,25 @@ class InputBatch:
         start = int(self.num_blocks[row])
         self.block_table[row, start : start + len(block_ids)] = block_ids
         self.num_blocks[row] = start + len(block_ids)
+
+    def set_drafts(self, row: int, draft_ids: list[int]) -> None:
+        """The draft tokens `row` verifies in this step, after its known tokens."""
+        start = int(self.num_tokens[row])
+        self.token_ids[row, start : start + len(draft_ids)] = draft_ids
+        self.num_drafts[row] = len(draft_ids)
+
+    def append_verified(self, rows: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """Each row's output tokens of a verification step (`tokens[i]`: row i's, padded with -1),
+        written over its drafts; returns how many each row got."""
+        valid = tokens >= 0
+        which, offset = np.nonzero(valid)
+        positions = self.num_tokens[rows][which] + offset
+        fits = positions < self.token_ids.shape[1]
+        self.token_ids[rows[which][fits], positions[fits]] = tokens[valid][fits]
+        counts = valid.sum(axis=1)
+        self.num_tokens[rows] += counts
+        self.num_drafts[rows] = 0
+        return counts
 
     def remove(self, req_id: str, keep_sampling_state: bool = False) -> None:
         """Free the request's row. A preempted request (`keep_sampling_state`) keeps its seeded

@@ -26,7 +26,7 @@ from compiled_llm.distributed.communication import broadcast_from_driver
 from compiled_llm.distributed.parallel_state import tensor_parallel
 from compiled_llm.kernels.cpu_extension import uses_cpu_kernels
 from compiled_llm.logger import init_logger
-from compiled_llm.messages.runner_output import ModelRunnerOutput
+from compiled_llm.messages.runner_output import LogprobsLists, ModelRunnerOutput
 from compiled_llm.messages.scheduler_output import SchedulerOutput
 from compiled_llm.models.layers.attention import Attention
 from compiled_llm.models.loader import build_model
@@ -37,9 +37,10 @@ from compiled_llm.worker.compile_and_capture import capture_cudagraphs, compile_
 from compiled_llm.worker.grammar_bitmask import apply_grammar_bitmask
 from compiled_llm.worker.input_batch import InputBatch
 from compiled_llm.worker.prompt_logprobs import PromptLogprobsComputer, PromptLogprobsTensors, PromptSegment
+from compiled_llm.worker.rejection_sampler import RejectionOutput, RejectionSampler
 from compiled_llm.worker.sampler import Sampler, SamplerOutput
 from compiled_llm.worker.step_inputs import StepInputs
-from compiled_llm.worker.step_output import StepOutput
+from compiled_llm.worker.step_output import ReadyStepOutput, StepOutput
 
 logger = init_logger(__name__)
 
@@ -79,6 +80,8 @@ class ModelRunner:
         self.inputs = StepInputs(self.max_num_tokens, self.max_num_reqs, max_blocks_per_req, self.block_size,
                                  self.device)
         self.sampler = Sampler()
+        self.speculative_config = config.speculative_config
+        self.rejection_sampler = RejectionSampler(self.sampler)
         self.prompt_logprobs = PromptLogprobsComputer(lambda hidden: self.model.compute_logits(hidden))
         self.num_grammar_bitmasks = 0  # steps whose logits a grammar bitmask constrained
         self.kv_caches: list[torch.Tensor] = []
@@ -126,7 +129,10 @@ class ModelRunner:
         try:
             with set_forward_context(self.inputs.dummy(num_tokens, query_lens=query_lens)):
                 hidden = self.model_forward(*self.inputs.model_args(num_tokens))
-            logits = self.model.compute_logits(hidden[: self.max_num_reqs])
+            # A verification step computes logits at every draft position too.
+            spec = self.speculative_config
+            logits_rows = self.max_num_reqs * (1 + (spec.num_speculative_tokens if spec is not None else 0))
+            logits = self.model.compute_logits(hidden[: min(logits_rows, num_tokens)])
             torch.softmax(logits.float(), dim=-1)  # the sampler's float32 working copy
         finally:
             for layer, cache in zip(self.attention_layers, kept):
@@ -160,6 +166,10 @@ class ModelRunner:
             batch.num_computed_tokens[row] = cached.num_computed_tokens
         for new in out.scheduled_new_reqs:
             batch.add(new)
+        if self.speculative_config is not None:
+            batch.num_drafts.fill(0)
+            for rid, drafts in out.scheduled_spec_decode_tokens.items():
+                batch.set_drafts(batch.row_of[rid], drafts)
 
     @torch.inference_mode()
     def execute_model(
@@ -202,10 +212,13 @@ class ModelRunner:
             segments = self._prompt_segments(req_ids, rows, num_sched, metadata.query_start_loc_cpu)
             prompt_logprobs = self.prompt_logprobs.compute(hidden, segments)
 
-        # Only requests whose every known token is now computed sample a token.
-        sample_idx = np.flatnonzero(seq_lens == batch.num_tokens[rows])
+        # Only requests whose every known token (and draft) is now computed sample a token.
+        sample_idx = np.flatnonzero(seq_lens == batch.num_tokens[rows] + batch.num_drafts[rows])
         if not len(sample_idx):
             return StepOutput(self.batch, self.device, self._step, req_ids, prompt_logprobs=prompt_logprobs)
+        if out.scheduled_spec_decode_tokens:
+            return self._verify(out, req_ids, rows, sample_idx, hidden, metadata.query_start_loc_cpu,
+                                grammar_bitmask, prompt_logprobs)
         logits_indices = torch.from_numpy(metadata.query_start_loc_cpu[1:][sample_idx] - 1).to(self.device)
         logits = self.model.compute_logits(hidden[logits_indices])
         if grammar_bitmask is not None:
@@ -222,6 +235,80 @@ class ModelRunner:
         self._last_sampled = result.sampled
         return StepOutput(self.batch, self.device, self._step, req_ids, sample_idx, sample_rows, positions, result,
                           prompt_logprobs)
+
+    def _verify(
+        self,
+        out: SchedulerOutput,
+        req_ids: list[str],
+        rows: np.ndarray,
+        sample_idx: np.ndarray,
+        hidden: torch.Tensor,
+        query_start_loc: np.ndarray,
+        grammar_bitmask: Callable[[], torch.Tensor] | None,
+        prompt_logprobs: dict[str, PromptLogprobsTensors],
+    ) -> ReadyStepOutput:
+        """Sample a step with draft tokens: logits at each sampling request's last 1 + n positions
+        (n its drafts, often 0), the rejection sampler's verdict, and 1..n+1 tokens each, read on
+        the host at once (the next step's drafts follow them)."""
+        batch = self.batch
+        sample_rows = rows[sample_idx]
+        num_drafts = batch.num_drafts[sample_rows].copy()
+        counts = num_drafts + 1
+        starts = np.cumsum(counts) - counts
+        within = np.arange(int(counts.sum())) - np.repeat(starts, counts)
+        ends = query_start_loc[1:][sample_idx]
+        logits_indices = np.repeat(ends - counts, counts) + within
+        logits = self.model.compute_logits(hidden[torch.from_numpy(logits_indices).to(self.device)])
+        sampling_ids = [req_ids[i] for i in sample_idx]
+        if grammar_bitmask is not None:  # constrained requests have no drafts: their one row is their last
+            ids_by_row = [""] * len(logits_indices)
+            for i, rid in enumerate(sampling_ids):
+                ids_by_row[int(starts[i] + num_drafts[i])] = rid
+            self._apply_grammar_bitmask(logits, grammar_bitmask(), out.structured_output_request_ids, ids_by_row)
+        draft_req = np.repeat(np.arange(len(sample_rows)), num_drafts)
+        draft_at = batch.num_tokens[sample_rows][draft_req] + within[within < np.repeat(num_drafts, counts)]
+        draft_ids = torch.from_numpy(batch.token_ids[sample_rows[draft_req], draft_at]).to(self.device)
+        if self.tensor_parallel.is_driver:
+            position_rows = np.repeat(sample_rows, counts)
+            meta = batch.sampling.metadata(position_rows, np.repeat(batch.num_output_tokens(sample_rows), counts)
+                                           + within)
+            sampling = batch.sampling
+            generators = {} if meta.all_greedy else {
+                i: sampling.generators[int(row)] for i, row in enumerate(sample_rows) if sampling.has_generator[row]}
+            result = self.rejection_sampler(logits, meta, num_drafts, draft_ids, generators)
+        else:  # the driver samples, once for every rank; this rank takes in its tokens
+            width = int(num_drafts.max()) + 1
+            result = RejectionOutput(torch.empty((len(sample_rows), width), dtype=torch.int64, device=self.device))
+        broadcast_from_driver(result.tokens)
+        # Requests with penalties are never given drafts: their one token is the first column.
+        batch.sampling.record_sampled(sample_rows, result.tokens[:, 0].contiguous())
+        tokens = result.tokens.cpu().numpy()
+        num_out = batch.append_verified(sample_rows, tokens)
+        sampled_lists: list[list[int]] = [[] for _ in req_ids]
+        for j, (i, n) in enumerate(zip(sample_idx.tolist(), num_out.tolist())):
+            sampled_lists[i] = tokens[j, :n].tolist()
+        logprobs = self._verified_logprobs(result, sampling_ids, sample_rows, starts, num_out)
+        return ReadyStepOutput(ModelRunnerOutput(
+            req_ids, sampled_lists, logprobs, {rid: t.to_lists() for rid, t in prompt_logprobs.items()}))
+
+    def _verified_logprobs(
+        self, result: RejectionOutput, sampling_ids: list[str], sample_rows: np.ndarray, starts: np.ndarray,
+        num_out: np.ndarray,
+    ) -> dict[str, LogprobsLists]:
+        """The logprobs of each request's output tokens (one row per token), for those that want them."""
+        if result.logprobs is None:
+            return {}
+        assert result.logprob_token_ids is not None and result.sampled_ranks is not None
+        token_ids, lps, ranks = (t.cpu().tolist() for t in (result.logprob_token_ids, result.logprobs,
+                                                            result.sampled_ranks))
+        out = {}
+        wanted = self.batch.sampling.num_logprobs[sample_rows].tolist()
+        for i, (rid, k) in enumerate(zip(sampling_ids, wanted)):
+            if k >= 0:
+                span = range(int(starts[i]), int(starts[i] + num_out[i]))
+                out[rid] = LogprobsLists([token_ids[p][: k + 1] for p in span], [lps[p][: k + 1] for p in span],
+                                         [ranks[p] for p in span])
+        return out
 
     def _prompt_segments(
         self, req_ids: list[str], rows: np.ndarray, num_sched: np.ndarray, query_start_loc: np.ndarray

@@ -70,16 +70,21 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if meta.max_num_logprobs is not None else None
+        sampled = self.sample(self.adjust_logits(logits, meta), meta)
+        if raw_logprobs is None:
+            return SamplerOutput(sampled)
+        return self.gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs)
+
+    def adjust_logits(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Logit bias, penalties and the tokens banned before min_tokens, on float32 logits (in place
+        where it can): what greedy takes the argmax of."""
         if meta.logit_bias_rows is not None:
             logits.index_put_((meta.logit_bias_rows, meta.logit_bias_token_ids), meta.logit_bias_values,
                               accumulate=True)
         logits = self.apply_penalties(logits, meta)
         if meta.banned_rows is not None:
             logits[meta.banned_rows, meta.banned_token_ids] = float("-inf")
-        sampled = self.sample(logits, meta)
-        if raw_logprobs is None:
-            return SamplerOutput(sampled)
-        return self.gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs)
+        return logits
 
     @staticmethod
     def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -106,17 +111,21 @@ class Sampler:
         if meta.all_greedy:
             return greedy
         assert meta.temperature is not None
+        random = self.random_sample(self.target_probs(logits, meta), meta.generators)
+        return torch.where(meta.temperature < _EPS, greedy, random)
+
+    def target_probs(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """The distribution each non-greedy row samples from: temperature, then top-k / top-p / min-p
+        (speculative decoding's rejection sampler keeps exactly this one)."""
+        assert meta.temperature is not None
         temperature = meta.temperature
-        is_greedy = temperature < _EPS
-        logits = logits / torch.where(is_greedy, 1.0, temperature).unsqueeze(1)
+        logits = logits / torch.where(temperature < _EPS, 1.0, temperature).unsqueeze(1)
         logits = self.apply_top_k_top_p(logits, meta.top_k, meta.top_p)
         if meta.min_p is not None:
             probs = logits.softmax(dim=-1)
             threshold = probs.amax(dim=-1, keepdim=True) * meta.min_p.unsqueeze(1)
             logits = logits.masked_fill(probs < threshold, float("-inf"))
-        probs = logits.softmax(dim=-1)
-        random = self.random_sample(probs, meta.generators)
-        return torch.where(is_greedy, greedy, random)
+        return logits.softmax(dim=-1)
 
     @staticmethod
     def apply_top_k_top_p(

@@ -97,3 +97,14 @@ class StepOutput(AsyncModelRunnerOutput):
             if k >= 0:
                 out[rid] = LogprobsLists([token_ids[i][: k + 1]], [lps[i][: k + 1]], [ranks[i]])
         return out
+
+
+class ReadyStepOutput(AsyncModelRunnerOutput):
+    """A step whose output the host already holds (a speculative verification reads its accepted
+    tokens before it returns: the next step's drafts follow them)."""
+
+    def __init__(self, output: ModelRunnerOutput) -> None:
+        self._output = output
+
+    def get_output(self) -> ModelRunnerOutput:
+        return self._output
