@@ -10,6 +10,12 @@ from tqdm.auto import tqdm
 from compiled_llm.engine.arg_utils import EngineArgs
 from compiled_llm.engine.llm_engine import LLMEngine
 from compiled_llm.engine.processor import PromptType
+from compiled_llm.entrypoints.chat_utils import (
+    ChatTemplateContentFormatOption,
+    format_content,
+    load_chat_template,
+    resolve_content_format,
+)
 from compiled_llm.outputs import RequestOutput
 from compiled_llm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -23,9 +29,11 @@ class LLM:
     arguments are `EngineArgs` fields, with the same names and defaults as the command-line flags
     (`optimization_level`: 0 eager, 1 compiled pieces, 2 pieces + CUDA graphs, None for 1 on a CPU
     and 2 on a GPU; `compile_cache`, `max_model_len`, `kv_cache_memory_bytes`, `dtype`, ...).
+    `chat_template`: the template `chat` uses instead of the model's (a file, or the template itself).
     """
 
-    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+    def __init__(self, model: str | None = None, chat_template: str | None = None, **engine_args: Any) -> None:
+        self.chat_template = load_chat_template(chat_template)  # a bad path fails before the model loads
         self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_args))
         self._ids = itertools.count()
 
@@ -66,13 +74,22 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        chat_template_content_format: ChatTemplateContentFormatOption = "auto",
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
+        """Generate replies to conversations, rendered with `chat_template` (a file or the
+        template), else the one given to `LLM`, else the model's; message content reaches the
+        template as a string or as a list of text parts (`chat_template_content_format`, as vLLM)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
+        template = load_chat_template(chat_template) or self.chat_template
+        content_format = resolve_content_format(chat_template_content_format, template or tokenizer.chat_template)
         prompts: list[PromptType] = []
         for conversation in conversations:
+            conversation = [{**m, "content": format_content(m.get("content"), content_format)} for m in conversation]
             text = tokenizer.apply_chat_template(
-                conversation, chat_template=chat_template, tokenize=False, add_generation_prompt=add_generation_prompt
+                conversation, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt,
+                **(chat_template_kwargs or {}),
             )
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             prompts.append({"prompt": text, "prompt_token_ids": ids})

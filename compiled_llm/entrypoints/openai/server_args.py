@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from compiled_llm.engine.arg_utils import CliArgs, positive_int, setting
+from compiled_llm.entrypoints.chat_utils import CONTENT_FORMATS, load_chat_template
 from compiled_llm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 SERVER = "server"  # the help group
@@ -27,6 +28,13 @@ class ServerArgs(CliArgs):
     max_request_body_bytes: int | None = setting(
         None, "Larger request bodies get a 413 (default: twice the longest prompt that fits the context, at least "
         "8 MiB).", group=SERVER)
+    chat_template: str | None = setting(
+        None, "The chat template to use instead of the model's: a file, or the template itself (default: the "
+        "model's).", group=SERVER, metavar="FILE_OR_TEMPLATE")
+    chat_template_content_format: str = setting(
+        "auto", "How message content reaches the chat template: string (the text), openai (a list of "
+        '{"type": "text", "text": ...} parts), or auto (as the template reads it; default).', group=SERVER,
+        choices=CONTENT_FORMATS)
     trust_request_chat_template: bool = setting(
         False, "Accept a `chat_template` sent with a request (it is code; off by default).", group=SERVER)
     enable_auto_tool_choice: bool = setting(
@@ -48,5 +56,9 @@ class ServerArgs(CliArgs):
         "and the server exits (default: 120).", group=SERVER)
 
     def __post_init__(self) -> None:
+        load_chat_template(self.chat_template)  # a file that cannot be read fails here, before the engine starts
+        if self.chat_template_content_format not in CONTENT_FORMATS:
+            raise ValueError(f"--chat-template-content-format must be one of {', '.join(CONTENT_FORMATS)}, got "
+                             f"{self.chat_template_content_format!r}.")
         if self.enable_auto_tool_choice and not self.tool_call_parser:
             raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser (one of {', '.join(TOOL_PARSERS)}).")

@@ -13,6 +13,7 @@ from fastapi.responses import Response
 
 from compiled_llm.engine.async_llm import RequestStream
 from compiled_llm.engine.chat_templates import ChatTemplateError
+from compiled_llm.entrypoints.chat_utils import ChatTemplateContentFormat, format_content, resolve_content_format
 from compiled_llm.entrypoints.openai.chat_tools import ToolPlan, plan_tools
 from compiled_llm.entrypoints.openai.errors import OpenAIError
 from compiled_llm.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs_out
@@ -48,16 +49,14 @@ logger = init_logger(__name__)
 
 def message_text(message: ChatMessage) -> str:
     """A message's text; content parts are joined (text parts only)."""
-    content = message.content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise OpenAIError(f"Only text content parts are supported, got type {part.get('type')!r}.",
-                                  param="messages")
-            texts.append(part["text"])
-        content = "\n".join(texts)
-    return content or ""
+    return str(_content(message, "string"))
+
+
+def _content(message: ChatMessage, content_format: ChatTemplateContentFormat) -> str | list[dict[str, str]]:
+    try:
+        return format_content(message.content, content_format)
+    except ValueError as e:
+        raise OpenAIError(str(e), param="messages") from e
 
 
 def _arguments_as_object(tool_calls: Any) -> Any:
@@ -78,12 +77,12 @@ def _arguments_as_object(tool_calls: Any) -> Any:
     return result
 
 
-def message_dict(message: ChatMessage) -> dict[str, Any]:
-    """A message as the chat template expects it."""
+def message_dict(message: ChatMessage, content_format: ChatTemplateContentFormat = "string") -> dict[str, Any]:
+    """A message as the chat template expects it, its content a string or a list of parts."""
     extra = dict(message.model_extra or {})
     if "tool_calls" in extra:
         extra["tool_calls"] = _arguments_as_object(extra["tool_calls"])
-    return {**extra, "role": message.role, "content": message_text(message)}
+    return {**extra, "role": message.role, "content": _content(message, content_format)}
 
 
 @dataclass
@@ -99,10 +98,13 @@ class _ChoiceStream:
 
 class OpenAIServingChat(OpenAIServing):
     async def render(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool, chat_template: str | None = None,
+        self, messages: list[ChatMessage], add_generation_prompt: bool, chat_template: str | None = None,
         template_kwargs: dict[str, Any] | None = None, add_special_tokens: bool = False,
     ) -> tuple[str, list[int]]:
-        """The conversation rendered and tokenized; a 400 for a template that fails or a text too long."""
+        """The conversation rendered and tokenized with the request's template (if the operator
+        allows one), else the server's --chat-template, else the model's; its messages' content in
+        the shape that template reads (--chat-template-content-format). A 400 for a template that
+        fails or a text too long."""
         template_kwargs = dict(template_kwargs or {})
         if (chat_template is not None or "chat_template" in template_kwargs) and \
                 not self.server_args.trust_request_chat_template:
@@ -129,9 +131,13 @@ class OpenAIServingChat(OpenAIServing):
             chat_template = given
         if template_kwargs.get("continue_final_message"):
             add_generation_prompt = False
+        chat_template = chat_template or self.chat_template
+        content_format = resolve_content_format(self.server_args.chat_template_content_format,
+                                                chat_template or self.engine.tokenizer.chat_template)
+        rendered = [message_dict(m, content_format) for m in messages]
         try:
             return await self.engine.apply_chat_template(
-                messages, add_generation_prompt, chat_template, add_special_tokens=add_special_tokens,
+                rendered, add_generation_prompt, chat_template, add_special_tokens=add_special_tokens,
                 **template_kwargs,
             )
         except ChatTemplateError as e:  # the template rejected the conversation (roles, missing template, ...)
@@ -158,8 +164,7 @@ class OpenAIServingChat(OpenAIServing):
             raise OpenAIError("You can only either use constraints for structured outputs or tools, not both: "
                               f"tool_choice {tools.mode} constrains the output already.", param="tool_choice")
         structured = structured or tools.structured_outputs()
-        messages = [message_dict(m) for m in request.messages]
-        text, ids = await self.render(messages, request.generation_prompt, request.chat_template,
+        text, ids = await self.render(request.messages, request.generation_prompt, request.chat_template,
                                       self.template_kwargs(request, tools.template_tools), request.add_special_tokens)
         cut = self.truncate(ids, request)
         if len(cut) != len(ids):

@@ -15,6 +15,7 @@ from compiled_llm.engine.async_llm import AsyncLLM, RequestStream
 from compiled_llm.engine.core_client import EngineDeadError
 from compiled_llm.engine.processor import PromptType
 from compiled_llm.engine.tokenizer import TokenTexts
+from compiled_llm.entrypoints.chat_utils import load_chat_template
 from compiled_llm.entrypoints.openai.errors import OpenAIError, engine_dead_message, error_body
 from compiled_llm.entrypoints.openai.protocol import PromptTokensDetails, RequestModel, SamplingRequest, UsageInfo
 from compiled_llm.entrypoints.openai.server_args import ServerArgs
@@ -51,6 +52,7 @@ class OpenAIServing:
         self.engine = engine
         self.served_model_name = served_model_name
         self.server_args = server_args or ServerArgs()
+        self.chat_template = load_chat_template(self.server_args.chat_template)  # None: the model's own
         self.max_model_len = engine.model_config.max_model_len
         self.token_text = TokenTexts(engine.tokenizer)
 

@@ -11,7 +11,7 @@ from compiled_llm.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from compiled_llm.entrypoints.openai.serving_chat import OpenAIServingChat, message_dict
+from compiled_llm.entrypoints.openai.serving_chat import OpenAIServingChat
 
 
 class OpenAIServingTokenization(OpenAIServingChat):
@@ -28,7 +28,7 @@ class OpenAIServingTokenization(OpenAIServingChat):
                 kwargs["tools"] = [t.model_dump(exclude_none=True) for t in request.tools]
             if request.continue_final_message:
                 kwargs["continue_final_message"] = True
-            _, ids = await self.render([message_dict(m) for m in request.messages], request.add_generation_prompt,
+            _, ids = await self.render(request.messages, request.add_generation_prompt,
                                        request.chat_template, kwargs, bool(request.add_special_tokens))
         else:
             add_special_tokens = True if request.add_special_tokens is None else request.add_special_tokens
