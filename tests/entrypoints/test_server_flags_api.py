@@ -1,5 +1,6 @@
 """Server flags vLLM users pass and what they change, against a real server (a tiny random model:
-nothing here depends on what the model says): `--chat-template` with the content format it reads."""
+nothing here depends on what the model says): `--chat-template` with the content format it reads,
+GET /tokenizer_info, GET /load, SageMaker's POST /invocations and /ping."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ def server(tiny_llama, tmp_path_factory):
     template.write_text(TEMPLATE)
     server = RemoteServer([
         tiny_llama, "-O0", "--max-model-len", "512", "--kv-cache-memory-bytes", str(64 << 20),
-        "--served-model-name", "tiny", "--chat-template", str(template),
+        "--served-model-name", "tiny", "--chat-template", str(template), "--enable-tokenizer-info-endpoint",
+        "--enable-server-load-tracking",
     ])
     yield server
     server.stop()
@@ -55,3 +57,52 @@ def test_chat_template_flag_renders_every_chat(server):
         model="tiny", messages=MESSAGES, max_tokens=1,
         extra_body={"return_prompt_text": True, "chat_template_kwargs": {"enable_thinking": False}})
     assert no_thinking.model_extra["prompt_text"] == expected + "<think>\n\n</think>\n\n"
+
+
+def test_tokenizer_info(server):
+    r = httpx.get(server.url + "/tokenizer_info", timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    info = r.json()
+    assert info["tokenizer_class"] and info["chat_template"] == TEMPLATE  # the template the server renders with
+    assert info["eos_token"] == "<|im_end|>" and info["model_max_length"] >= 512
+    added = info["added_tokens_decoder"]
+    assert added["2"] == {"content": "<|im_end|>", "lstrip": False, "normalized": False, "rstrip": False,
+                          "single_word": False, "special": True}
+    assert all(k.isdigit() and isinstance(v["special"], bool) for k, v in added.items())
+
+
+def test_server_load_counts_requests_in_progress(server):
+    def load() -> int:
+        return httpx.get(server.url + "/load", timeout=TIMEOUT).json()["server_load"]
+
+    assert load() == 0
+    stream = client(server).completions.create(model="tiny", prompt="Once", max_tokens=50, stream=True,
+                                               extra_body={"ignore_eos": True})
+    next(iter(stream))
+    assert load() == 1  # until its last event
+    assert len(list(stream)) > 0
+    stream.close()
+    assert load() == 0
+    client(server).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
+    assert load() == 0
+
+
+def test_invocations_dispatches_by_body(server):
+    def invoke(body: object) -> httpx.Response:
+        return httpx.post(server.url + "/invocations", json=body, timeout=TIMEOUT)
+
+    chat = invoke({"messages": MESSAGES, "max_tokens": 3})
+    assert chat.status_code == 200 and chat.json()["object"] == "chat.completion"
+    completion = invoke({"prompt": "Once", "max_tokens": 3})
+    assert completion.status_code == 200 and completion.json()["object"] == "text_completion"
+    streamed = invoke({"prompt": "Once", "max_tokens": 3, "stream": True})
+    assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")
+    for body in ({"input": "embed me"}, [1, 2]):
+        refused = invoke(body)
+        assert refused.status_code == 400
+        assert refused.json()["error"]["message"] == ("Cannot find suitable handler for request. Expected one of: "
+                                                      "[ChatCompletionRequest, CompletionRequest]")
+    bad_json = httpx.post(server.url + "/invocations", content=b"{", timeout=TIMEOUT)
+    assert bad_json.status_code == 400 and "JSON decode error" in bad_json.json()["error"]["message"]
+    assert httpx.get(server.url + "/ping", timeout=TIMEOUT).status_code == 200
+    assert httpx.post(server.url + "/ping", timeout=TIMEOUT).status_code == 200

@@ -14,6 +14,7 @@ import secrets
 import signal
 import socket
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 import uvicorn
@@ -34,6 +35,7 @@ from compiled_llm.entrypoints.openai.errors import (
     error_response,
     install_error_handlers,
 )
+from compiled_llm.entrypoints.openai.invocations import invoke
 from compiled_llm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -51,7 +53,9 @@ from compiled_llm.utils import freeze_gc_heap
 
 logger = init_logger(__name__)
 
-_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info", "/invocations")
+# The routes that generate: their requests in progress are the server's load (GET /load).
+_LOAD_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/invocations"})
 
 
 class APIKeyMiddleware:
@@ -108,6 +112,30 @@ class BodySizeLimitMiddleware:
         await self.app(scope, counted_receive, send)
 
 
+class ServerLoadMiddleware:
+    """Counts the requests in progress on the generating routes, from their arrival to the last
+    byte of their response (a stream's included), for GET /load (vLLM's `server_load`)."""
+
+    def __init__(self, app: ASGIApp, load: ServerLoad) -> None:
+        self.app = app
+        self.load = load
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] not in _LOAD_PATHS:
+            await self.app(scope, receive, send)
+            return
+        self.load.value += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.load.value -= 1
+
+
+@dataclass
+class ServerLoad:
+    value: int = 0
+
+
 def default_max_body_bytes(engine: AsyncLLM) -> int:
     """Room for the longest prompt that can fit the context, twice over (JSON escapes, chat
     messages around it), and never under 8 MiB."""
@@ -145,6 +173,9 @@ def build_app(
         app.add_middleware(APIKeyMiddleware, api_key=server_args.api_key)
     max_body_bytes = server_args.max_request_body_bytes or default_max_body_bytes(engine)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)
+    load = ServerLoad()
+    if server_args.enable_server_load_tracking:
+        app.add_middleware(ServerLoadMiddleware, load=load)
     completions = OpenAIServingCompletion(engine, name, server_args)
     chat = OpenAIServingChat(engine, name, server_args)
     tokenization = OpenAIServingTokenization(engine, name, server_args)
@@ -154,6 +185,15 @@ def build_app(
         if engine.errored:
             return error_response(engine_dead_message(engine.dead_error), 503, code="engine_dead")
         return Response(status_code=200)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:  # SageMaker's health check
+        return await health()
+
+    @app.get("/load")
+    async def server_load() -> JSONResponse:
+        """Requests in progress on the generating routes (0 unless --enable-server-load-tracking)."""
+        return JSONResponse({"server_load": load.value})
 
     @app.get("/version")
     async def version() -> dict[str, Any]:
@@ -181,6 +221,16 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
         return await chat.create_chat_completion(request, raw_request)
+
+    @app.post("/invocations")
+    async def invocations(raw_request: Request) -> Response:
+        return await invoke(raw_request, [(ChatCompletionRequest, chat.create_chat_completion),
+                                          (CompletionRequest, completions.create_completion)])
+
+    if server_args.enable_tokenizer_info_endpoint:
+        @app.get("/tokenizer_info")
+        async def tokenizer_info() -> JSONResponse:
+            return JSONResponse(tokenization.tokenizer_info())
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> JSONResponse:

@@ -43,6 +43,11 @@ class ServerArgs(CliArgs):
     tool_call_parser: str | None = setting(
         None, "The format the model writes tool calls in: hermes (<tool_call>{...}</tool_call>; Hermes, Qwen) or "
         "xlam (a JSON array of calls; SmolLM2, xLAM).", group=SERVER, choices=TOOL_PARSERS)
+    enable_tokenizer_info_endpoint: bool = setting(
+        False, "Serve GET /tokenizer_info: the tokenizer's configuration and the chat template (off by default: "
+        "it shows the template and the model's folder).", group=SERVER)
+    enable_server_load_tracking: bool = setting(
+        False, "Count the requests in progress on the generation routes, for GET /load (as vLLM).", group=SERVER)
     stream_interval: int = setting(
         1, "Stream tokens in events of N (the first and last event excepted): one socket write and wake-up per N "
         "tokens instead of per token, for many streams at a high token rate, at the cost of coarser inter-token "

@@ -4,6 +4,8 @@ options of /v1/chat/completions (tools, generation prompt or continued final mes
 
 from __future__ import annotations
 
+from typing import Any
+
 from compiled_llm.entrypoints.openai.errors import OpenAIError
 from compiled_llm.entrypoints.openai.protocol import (
     DetokenizeRequest,
@@ -36,6 +38,22 @@ class OpenAIServingTokenization(OpenAIServingChat):
         strs = self.engine.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs)
 
+    def tokenizer_info(self) -> dict[str, Any]:
+        """vLLM's GET /tokenizer_info: the tokenizer's configuration as its tokenizer_config.json
+        states it (special tokens as their text, added tokens with their flags), its class, and the
+        chat template this server renders with, so that a client can tokenize and render as the
+        server does."""
+        tokenizer = self.engine.tokenizer
+        config = {key: _json_value(value) for key, value in (getattr(tokenizer, "init_kwargs", None) or {}).items()
+                  if key not in ("vocab_file", "merges_file", "added_tokens_decoder")}
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        config["added_tokens_decoder"] = {str(i): _added_token(token) for i, token in added.items()}
+        config["tokenizer_class"] = type(tokenizer).__name__
+        template = self.chat_template or getattr(tokenizer, "chat_template", None)
+        if template:
+            config["chat_template"] = template
+        return config
+
     async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
         self.check_fields(request, request.model)
         vocab = self.engine.processor.vocab_size
@@ -43,3 +61,23 @@ class OpenAIServingTokenization(OpenAIServingChat):
         if bad:
             raise OpenAIError(f"Token id {bad[0]} is out of the vocabulary (size {vocab}).", param="tokens")
         return DetokenizeResponse(prompt=await self.engine.detokenize(request.tokens))
+
+
+def _added_token(token: Any) -> dict[str, Any]:
+    """An added token as tokenizer_config.json writes it: its content and flags."""
+    fields = ("content", "lstrip", "normalized", "rstrip", "single_word", "special")
+    return {name: getattr(token, name) for name in fields if hasattr(token, name)} if hasattr(token, "content") \
+        else {"content": str(token), "special": False}
+
+
+def _json_value(value: Any) -> Any:
+    """A tokenizer setting as JSON: a special token as its text, anything else JSON lacks as a string."""
+    if hasattr(value, "content"):  # tokenizers' AddedToken
+        return value.content
+    if isinstance(value, dict):
+        return {str(k): _json_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_value(v) for v in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return str(value)
