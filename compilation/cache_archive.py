@@ -142,11 +142,13 @@ def _check_archive(tar: tarfile.TarFile, archive: Path, signing_key: bytes | Non
         keys.add(top)
         if not is_entry_name(top) or not rel:
             raise CompileCacheError(f"{where}: member {name!r} is not inside one entry folder named by its key")
+        if len(keys) > 1:
+            raise CompileCacheError(f"{where}: it holds {len(keys)} entries, not one")
         if rel in members:
             raise CompileCacheError(f"{where}: member {name!r} appears twice")
         members[rel] = info
-    if len(keys) != 1:
-        raise CompileCacheError(f"{where}: it holds {len(keys)} entries, not one")
+    if not keys:
+        raise CompileCacheError(f"{where}: it holds no entry")
     key = keys.pop()
     if INDEX_FILE not in members:
         raise CompileCacheError(f"{where}: it has no {INDEX_FILE}")
@@ -200,6 +202,8 @@ def import_entry(root: str | Path | None, archive: str | Path, signing_key: byte
                     raise CompileCacheError(f"cannot import {archive}: {key}/{rel} changed while it was read")
                 os.utime(dest, (members[rel].mtime, members[rel].mtime))
             return key, _install(cache, staging)
+        except OSError as e:  # two members that cannot both be (a file and a folder of one name), a full disk
+            raise CompileCacheError(f"cannot import {archive} into {cache.root}: {e.strerror} ({e.filename})") from None
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 
