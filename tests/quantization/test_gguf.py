@@ -137,32 +137,41 @@ def test_a_flipped_header_byte_is_one_error_naming_the_tensor(tmp_path, gguf_pat
         LLM(path, optimization_level=0, **ENGINE)
 
 
-def test_an_unsupported_tensor_type_is_one_error_naming_it(tmp_path, gguf_path):
-    """A one-layer model written with the gguf package, its up projection in Q5_0."""
-    source = gguf.GGUFReader(gguf_path)
-    path = tmp_path / "one-layer-q5_0.gguf"
+def _write_layers(path: Path, source: str, layers: int, tensor_data) -> str:
+    """A GGUF file of the shipped file's metadata and its first `layers` layers, each tensor as
+    `tensor_data(tensor)` gives it: (array, raw_dtype or None for the array's own float type)."""
+    reader = gguf.GGUFReader(source)
     writer = gguf.GGUFWriter(str(path), "llama")
-    for key, field in source.fields.items():
+    for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
             continue
-        value = 1 if key == "llama.block_count" else field.contents()
+        value = layers if key == "llama.block_count" else field.contents()
         sub_type = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(key, value, field.types[0], sub_type=sub_type)
-    for tensor in source.tensors:
-        if tensor.name.startswith("blk.") and not tensor.name.startswith("blk.0."):
+    for tensor in reader.tensors:
+        if tensor.name.startswith("blk.") and int(tensor.name.split(".")[1]) >= layers:
             continue
-        if tensor.name == "blk.0.ffn_up.weight":  # 1536 x 576 in blocks of 32 weights, 22 bytes each
-            writer.add_tensor(tensor.name, np.zeros((1536, 576 // 32 * 22), np.uint8),
-                              raw_dtype=gguf.GGMLQuantizationType.Q5_0)
-        else:
-            writer.add_tensor(tensor.name, np.array(tensor.data), raw_dtype=tensor.tensor_type)
+        data, raw_dtype = tensor_data(tensor)
+        writer.add_tensor(tensor.name, data, raw_dtype=raw_dtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return str(path)
+
+
+def test_an_unsupported_tensor_type_is_one_error_naming_it(tmp_path, gguf_path):
+    """A one-layer model written with the gguf package, its up projection in Q5_0."""
+
+    def q5_0_up(tensor):
+        if tensor.name == "blk.0.ffn_up.weight":  # 1536 x 576 in blocks of 32 weights, 22 bytes each
+            return np.zeros((1536, 576 // 32 * 22), np.uint8), gguf.GGMLQuantizationType.Q5_0
+        return np.array(tensor.data), tensor.tensor_type
+
+    path = _write_layers(tmp_path / "one-layer-q5_0.gguf", gguf_path, 1, q5_0_up)
     try:
         with pytest.raises(GGUFFileError, match=r"tensor 'blk\.0\.ffn_up\.weight' is Q5_0, which this engine can"):
-            LLM(str(path), optimization_level=0, **ENGINE)
+            LLM(path, optimization_level=0, **ENGINE)
     finally:  # its config and tokenizer were read: leave no folder for a file that is gone
         shutil.rmtree(metadata_folder(path), ignore_errors=True)
 
@@ -170,28 +179,15 @@ def test_an_unsupported_tensor_type_is_one_error_naming_it(tmp_path, gguf_path):
 def _two_layer_float_file(tmp_path: Path, source: str, dtype: np.dtype) -> str:
     """The shipped file's first two layers with every quantized tensor de-quantized and rounded to
     float16, written as `dtype` (F16 or F32: the very same values; norms stay F32)."""
-    reader = gguf.GGUFReader(source)
-    kind = "F16" if dtype == np.float16 else "F32"
-    path = tmp_path / f"two-layer-{kind}.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        value = 2 if key == "llama.block_count" else field.contents()
-        sub_type = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(key, value, field.types[0], sub_type=sub_type)
-    for tensor in reader.tensors:
-        if tensor.name.startswith("blk.") and int(tensor.name.split(".")[1]) >= 2:
-            continue
+
+    def as_float(tensor):
         values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         if tensor.tensor_type.name != "F32":
             values = values.astype(np.float16).astype(dtype)
-        writer.add_tensor(tensor.name, np.ascontiguousarray(values))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return str(path)
+        return np.ascontiguousarray(values), None
+
+    kind = "F16" if dtype == np.float16 else "F32"
+    return _write_layers(tmp_path / f"two-layer-{kind}.gguf", source, 2, as_float)
 
 
 def test_an_f16_file_keeps_two_bytes_a_weight_and_answers_as_its_f32_twin(tmp_path, gguf_path):
