@@ -88,7 +88,7 @@ def test_required_and_named_calls_always_parse(api_server):
 
     for kwargs, result in zip(cases, asyncio.run(main())):
         _check_calls(result["calls"])
-        assert result["content"] is None, result
+        assert not result["content"], result  # "" when not streamed (as vLLM), nothing when streamed
         if kwargs["tool_choice"] == "required":
             assert result["finish_reason"] == "tool_calls"
         else:  # OpenAI ends a named function's call with "stop"
@@ -143,3 +143,65 @@ def test_legacy_functions_and_tool_messages(api_server):
     answer = c.chat.completions.create(model="smol", messages=history, tools=TOOLS, tool_choice="none",
                                        max_tokens=8, temperature=0)
     assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+
+
+# ---- the shape of streamed and cut-short calls (a tiny random model: the grammar decides the shape) ----
+# Enums and booleans only, so that the random model's calls end within a few tokens; a `$ref` into
+# the parameters' own `$defs`, as vLLM's tests send.
+OPTIONS = {"type": "object", "properties": {"fast": {"type": "boolean"}}, "required": ["fast"],
+           "additionalProperties": False}
+FORECAST = {"type": "object", "properties": {"unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                                             "options": {"$ref": "#/$defs/Options"}},
+            "required": ["unit", "options"], "additionalProperties": False, "$defs": {"Options": OPTIONS}}
+SMALL_TOOLS = [{"type": "function", "function": {"name": "forecast", "parameters": FORECAST}}]
+NAMED = {"type": "function", "function": {"name": "forecast"}}
+
+
+def _streamed(c: openai.OpenAI, **kwargs: Any) -> dict[str, Any]:
+    """A streamed reply put together as a client does, checking each delta's shape on the way."""
+    content, calls, reasons = "", [], []
+    for chunk in c.chat.completions.create(stream=True, **kwargs):
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        if choice.finish_reason is not None:
+            reasons.append(choice.finish_reason)
+        for delta in choice.delta.tool_calls or []:
+            if delta.id is not None:  # a call's first delta: id, type and name
+                assert delta.index == len(calls) and delta.type == "function" and delta.function.name
+                calls.append({"name": delta.function.name, "arguments": delta.function.arguments or ""})
+            else:
+                assert delta.function.name is None and delta.function.arguments
+                calls[delta.index]["arguments"] += delta.function.arguments
+    assert len(reasons) == 1  # the finish reason comes once, in the last chunk
+    return {"content": content, "calls": calls, "finish_reason": reasons[0]}
+
+
+@pytest.mark.parametrize("tool_choice", ["required", NAMED])
+def test_streamed_constrained_calls_add_up_to_the_whole_reply(tiny_api_server, tool_choice):
+    c = client(tiny_api_server)
+    kwargs = {"model": "tiny", "messages": MESSAGES, "tools": SMALL_TOOLS, "tool_choice": tool_choice,
+              "max_tokens": 60, "temperature": 0, "parallel_tool_calls": False}
+    whole = c.chat.completions.create(**kwargs).choices[0]
+    streamed = _streamed(c, **kwargs)
+    calls = [{"name": t.function.name, "arguments": t.function.arguments} for t in whole.message.tool_calls]
+    assert len(calls) == 1 and streamed["calls"] == calls
+    jsonschema.validate(json.loads(calls[0]["arguments"]), FORECAST)
+    assert whole.message.content == "" and streamed["content"] == ""  # a string, as vLLM (clients take its len)
+    reason = "tool_calls" if tool_choice == "required" else "stop"
+    assert whole.finish_reason == streamed["finish_reason"] == reason
+
+
+@pytest.mark.parametrize("tool_choice", ["required", NAMED])
+def test_a_call_cut_short_by_max_tokens_is_no_call(tiny_api_server, tool_choice):
+    c = client(tiny_api_server)
+    kwargs = {"model": "tiny", "messages": MESSAGES, "tools": SMALL_TOOLS, "tool_choice": tool_choice,
+              "max_completion_tokens": 3, "temperature": 0}
+    whole = c.chat.completions.create(**kwargs).choices[0]
+    assert whole.finish_reason == "length" and whole.message.tool_calls is None and whole.message.content == ""
+    streamed = _streamed(c, **kwargs)
+    assert streamed["finish_reason"] == "length" and streamed["content"] == ""  # its JSON is never content
+    # A stream cannot take back what it sent: a named call's name went out first (as vLLM streams it),
+    # and the finish reason says its arguments were cut short.
+    for call in streamed["calls"]:
+        with pytest.raises(ValueError):
+            json.loads(call["arguments"])

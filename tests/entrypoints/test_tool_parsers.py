@@ -110,9 +110,16 @@ def test_parallel_tool_calls_false_keeps_the_first():
 
 def test_required_and_named_outputs():
     required = RequiredCallsParser().extract('[{"name":"add","arguments":{"a":1,"b":2}},{"name":"f","arguments":{}}]')
-    assert _calls(required) == [("add", {"a": 1, "b": 2}), ("f", {})] and required.content is None
+    assert _calls(required) == [("add", {"a": 1, "b": 2}), ("f", {})] and required.content == ""
     named = NamedCallParser("add").extract(' {"a": 1} ')
-    assert _calls(named) == [("add", {"a": 1})]
+    assert _calls(named) == [("add", {"a": 1})] and named.content == ""
+    # Cut short (max_tokens): no call, and the unfinished JSON is no content either.
+    for parser, text in ((RequiredCallsParser(), '[{"name":"add","argu'), (NamedCallParser("add"), '{"a": ')):
+        cut = parser.extract(text)
+        assert cut.calls == [] and cut.content == ""
+        streamer = ToolCallStreamer(parser.parse, text_fallback=False)
+        content, _ = streamer.update(text, final=True)
+        assert content == ""
     streamer = ToolCallStreamer(NamedCallParser("add").parse)
     _, first = streamer.update('{"a"', final=False)
     _, rest = streamer.update('{"a": 1}', final=True)

@@ -14,6 +14,7 @@ The older `functions` / `function_call` fields are the same with one call, answe
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -36,12 +37,18 @@ EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
 class RequiredCallsParser(ToolParser):
-    """The output of `tool_choice: required`: a bare JSON array of calls (the grammar's shape)."""
+    """The output of `tool_choice: required`: a bare JSON array of calls (the grammar's shape).
+    Its text is never content: cut short (max_tokens), it is no call and no content, as vLLM and
+    OpenAI answer."""
 
     name = "required"
 
     def parse(self, text: str, final: bool) -> ParsedText:
         return ParsedText("", scan_calls(text, 0))
+
+    def extract(self, text: str) -> ExtractedToolCalls:
+        extracted = super().extract(text)
+        return ExtractedToolCalls("", extracted.calls)
 
 
 class NamedCallParser(ToolParser):
@@ -58,8 +65,14 @@ class NamedCallParser(ToolParser):
         return ParsedText("", [call])
 
     def extract(self, text: str) -> ExtractedToolCalls:
-        # The grammar made it the arguments; a cut-off one (max_tokens) is still the call that was made.
-        return ExtractedToolCalls(None, [FunctionCallText(self.function_name, text.strip())])
+        """The grammar made the text the call's arguments; arguments cut short (max_tokens) are no
+        call (and, as for `required`, no content)."""
+        arguments = text.strip()
+        try:
+            json.loads(arguments)
+        except ValueError:
+            return ExtractedToolCalls("", [])
+        return ExtractedToolCalls("", [FunctionCallText(self.function_name, arguments)])
 
 
 def _hoisted_definitions(parameters: dict[str, Any], into: dict[str, Any]) -> dict[str, Any]:
@@ -154,7 +167,10 @@ class ToolPlan:
 
     def new_streamer(self) -> ToolCallStreamer | None:
         parser = self.new_parser()
-        return ToolCallStreamer(parser.parse, self.max_calls) if parser is not None else None
+        if parser is None:
+            return None
+        # A constrained output is calls or nothing: its text never turns into content.
+        return ToolCallStreamer(parser.parse, self.max_calls, text_fallback=not self.constrains_output)
 
     def finish_reason(self, reason: str | None, called: bool) -> str | None:
         """OpenAI's: `tool_calls` (`function_call` for the older API) when the model called tools

@@ -190,9 +190,10 @@ class OpenAIServingChat(OpenAIServing):
             message = ChatResponseMessage(content=c.text)
             called = False
             extracted = reply.tools.extract(c.text)
+            if extracted is not None and (extracted.calls or reply.tools.constrains_output):
+                message.content = extracted.content  # constrained output cut short: no call, no content
             if extracted is not None and extracted.calls:
                 called = True
-                message.content = extracted.content
                 if reply.tools.legacy:
                     first = extracted.calls[0]
                     message.function_call = FunctionCall(name=first.name, arguments=first.arguments)

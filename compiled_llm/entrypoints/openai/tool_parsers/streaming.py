@@ -37,11 +37,14 @@ class ToolCallStreamer:
     """Turns the text of one choice, as it grows, into content and tool-call deltas.
 
     `max_calls`: 1 when the request said `parallel_tool_calls: false` (later calls are dropped).
+    `text_fallback`: a text that ends without a valid call, none of it streamed, is content after
+    all (parsed output); off for constrained output, which is calls or nothing.
     """
 
-    def __init__(self, parse: Parse, max_calls: int | None = None) -> None:
+    def __init__(self, parse: Parse, max_calls: int | None = None, text_fallback: bool = True) -> None:
         self.parse = parse
         self.max_calls = max_calls
+        self.text_fallback = text_fallback
         self.content = ""
         self.calls: list[_SentCall] = []
 
@@ -52,7 +55,8 @@ class ToolCallStreamer:
     def update(self, text: str, final: bool) -> tuple[str, list[ToolCallDelta]]:
         """(new content, new tool-call deltas) since the last update."""
         parsed = self.parse(text, final)
-        if final and not self.calls and not (parsed.calls and all(is_valid_call(c) for c in parsed.calls)):
+        if final and self.text_fallback and not self.calls and \
+                not (parsed.calls and all(is_valid_call(c) for c in parsed.calls)):
             parsed = ParsedText(text)  # no call after all: it is all content (as `ToolParser.extract` says)
         content = ""
         if parsed.content.startswith(self.content):
