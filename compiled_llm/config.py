@@ -93,7 +93,7 @@ def describe_cpu_dtype(dtype: torch.dtype) -> str:
 
 
 # The weight formats of `--quantization` (compiled_llm/quantization/ holds one file per method).
-QUANTIZATION_NAMES = ("int8", "int4", "fp16_storage", "gguf")
+QUANTIZATION_NAMES = ("int8", "int4", "fp16_storage", "gguf", "fp8")
 # The method of a .gguf MODEL (and of no other): its blocks served as they ship.
 GGUF = "gguf"
 # The 16-bit weight storage method: float32 activations over 16-bit weights.

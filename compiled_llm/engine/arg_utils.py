@@ -147,7 +147,9 @@ class EngineArgs(CliArgs):
         None, "Weight format: int8 (per-channel) or int4 (group-wise) weight-only, quantized at load; "
         "fp16_storage (16-bit weights, float32 activations: chosen by itself for --dtype bfloat16/float16 on a "
         "CPU without native compute for it); gguf (a GGUF file's Q8_0/Q4_0/Q4_1 blocks served as they ship: "
-        "chosen by itself for a .gguf MODEL). Default: the checkpoint's weights as they are.",
+        "chosen by itself for a .gguf MODEL); fp8 (e4m3 weights with per-channel scales, quantized at load; "
+        "per-token activation scales and torch._scaled_mm on GPUs of compute capability >= 8.9, weight-only "
+        "elsewhere). Default: the checkpoint's weights as they are.",
         short="-q", choices=QUANTIZATION_NAMES)
     quantization_options: dict | None = setting(
         None, 'The method\'s options as JSON, e.g. \'{"group_size": 32}\' for int4 (32, 64 or 128; default 128).',

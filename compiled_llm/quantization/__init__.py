@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from compiled_llm.config import QUANTIZATION_NAMES, ModelConfig
 from compiled_llm.quantization.base import QuantizationConfig
+from compiled_llm.quantization.fp8 import Fp8Config
 from compiled_llm.quantization.fp16_storage import HalfStorageConfig
 from compiled_llm.quantization.gguf import GGUFConfig
 from compiled_llm.quantization.int4 import Int4Config
 from compiled_llm.quantization.int8 import Int8Config
 
 QUANTIZATION_METHODS: dict[str, type[QuantizationConfig]] = {
-    cls.name: cls for cls in (Int8Config, Int4Config, HalfStorageConfig, GGUFConfig)
+    cls.name: cls for cls in (Int8Config, Int4Config, HalfStorageConfig, GGUFConfig, Fp8Config)
 }
 
 
