@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# One prepared GPU check (issues 5 and 13), meant to finish in about 6 minutes on an H200 and in
-# under 8 whatever happens: every step runs in its own time box, and a step that fails or runs out
+# One prepared GPU check (issues 5, 13 and 23), meant to finish in about 7 minutes on an H200 and in
+# under 10.5 whatever happens: every step runs in its own time box, and a step that fails or runs out
 # of time leaves the others' figures intact.
 #   tests    the `cuda`-marked tests (CUDA-graph wrapper, Triton kernels on the GPU, -O2 end to end);
 #            meanwhile the benchmarks' cold compiles run (precompile, the HF peer's compiled calls);
+#   quant    the `cuda`-marked tests of the weight formats (issue 23): the Triton GEMM over int8/int4/GGUF
+#            weights against the torch reference and in a CUDA graph, fp8's torch._scaled_mm layers, and
+#            -O2 against eager for int4 and fp8 models (up to 2.5 minutes: each kernel variant compiles once;
+#            GPU_CHECK_STEPS without it keeps the check within the old 8 minutes);
 #   profile  benchmarks/gpu_profile.py: -O2 decode steps at batch 1/8/32/64, async and sync scheduling,
 #            and at batch 1/8 with the fusion passes off (before/after): step wall time, GPU kernel time
 #            and busy fraction, kernels per step, top kernels (torch.profiler);
@@ -13,7 +17,7 @@
 #            clients against the offline rate of the same requests, async and sync scheduling;
 #   decode   (not run by default) benchmarks/gpu_decode.py: eager vs -O1 vs -O2 vs HF generate.
 # Then benchmarks/gpu_summary.py prints every figure and issue 13's targets as Markdown.
-# GPU_CHECK_STEPS picks steps (default "tests profile peer serve").
+# GPU_CHECK_STEPS picks steps (default "tests quant profile peer serve").
 # Results go under $OUT when set (the device tool), else ./gpu_check_out: gpu_check.log (everything
 # printed), profile.json, peer.json, serve.json, server.log, trace_b1.json.gz (Perfetto), summary.md,
 # and decode.json with the decode step: at most 8 files, what the device tool brings back.
@@ -48,7 +52,7 @@ CACHE="$COMPILED_LLM_CACHE/gpu-check"  # one compile cache for precompile, profi
 if python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then scale=1; else scale=4; fi
 
 status=0
-steps=" ${GPU_CHECK_STEPS:-tests profile peer serve} "
+steps=" ${GPU_CHECK_STEPS:-tests quant profile peer serve} "
 wants() { [[ "$steps" == *" $1 "* ]]; }
 
 # run_step NAME BOX_SECONDS COMMAND...: the command under `timeout`, its output into the log.
@@ -90,7 +94,11 @@ fi
 if wants tests; then
   # Only the folders with cuda tests: the server tests need the openai client, which the image lacks.
   run_step tests 130 python3 -m pytest -q -rfE --tb=short -m cuda -p no:cacheprovider tests/compilation \
-    tests/kernels tests/worker
+    tests/kernels tests/worker --ignore=tests/kernels/test_triton_quant_gemm.py
+fi
+if wants quant; then  # in its own time box: the formats' Triton compilations must not crowd out the tests
+  run_step quant 150 python3 -m pytest -q -rfE --tb=short -m cuda -p no:cacheprovider \
+    tests/kernels/test_triton_quant_gemm.py tests/quantization/test_fp8.py tests/quantization/test_gpu_quantized_models.py
 fi
 for job in ${background[@]+"${background[@]}"}; do
   IFS=: read -r name pid log <<< "$job"
