@@ -39,12 +39,16 @@ def test_o2_quantized_generation_matches_eager(tmp_path, quantization):
         assert layer.weight.dtype == torch.float8_e4m3fn
         assert layer.fp8_scaled_mm == scaled_mm_supported(layer.weight.device)
     reference = eager.generate(prompts, params, use_tqdm=False)
+    eager.llm_engine.engine_core.shutdown()
     del eager, layer
 
     captured_before = counters.num_cudagraph_captured
     graphs = make_llm(folder, quantization, 2, str(tmp_path / "cache"))
     assert counters.num_cudagraph_captured > captured_before
     replayed = counters.num_cudagraph_replayed
-    ours = graphs.generate(prompts, params, use_tqdm=False)
-    assert counters.num_cudagraph_replayed > replayed
+    try:
+        ours = graphs.generate(prompts, params, use_tqdm=False)
+        assert counters.num_cudagraph_replayed > replayed
+    finally:
+        graphs.llm_engine.engine_core.shutdown()
     check_close(ours_greedy(ours), ours_greedy(reference), f"{quantization} -O2", "eager")
