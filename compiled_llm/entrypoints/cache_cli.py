@@ -122,7 +122,7 @@ def _when(stamp: float | None) -> str | None:
 @dataclass
 class EntryRow:
     key: str
-    status: str  # complete, damaged, unfinished
+    status: str  # complete, damaged, unfinished (or being filled by another process)
     model: str
     flags: str
     size: int
@@ -171,11 +171,12 @@ def entry_row(root: Path, key: str, signing_key: bytes | None, full: bool) -> En
     its size (list)."""
     cache = CompileCache.existing(root, key, signing_key)
     damages = cache.verify(checksums=full)
+    in_use = cache.in_use()
     status = "damaged" if damages else ("complete" if cache.complete else "unfinished")
-    if damages and damages[0].cause.startswith("is missing: the entry is unfinished"):
-        status = "unfinished"
+    if damages and (in_use or damages[0].cause.startswith("is missing: the entry is unfinished")):
+        status = "unfinished"  # a start may be filling it right now
     return EntryRow(key, status, describe_model(cache), describe_flags(cache.factors), cache.size(),
-                    _when(cache.created), _when(cache.last_used), cache.signed, cache.in_use(),
+                    _when(cache.created), _when(cache.last_used), cache.signed, in_use,
                     [str(d) for d in damages], cache.factors)
 
 
