@@ -383,6 +383,7 @@ class Scheduler:
             num_cached_tokens=max(request.num_cached_tokens, 0),
             new_prompt_logprobs=runner_output.prompt_logprobs.get(rid),
             scheduled_time=request.first_scheduled_time or 0.0,
+            num_preemptions=request.num_preemptions,
         )
         request.first_scheduled_time = None  # sent once, with the first output
         if request.status.finished:
@@ -422,11 +423,22 @@ class Scheduler:
             return True
         return False
 
+    def _num_waiting_deferred(self) -> int:
+        """Waiting requests whose group holds its share of the running slots: admission passes over
+        them, however much room there is."""
+        if not self.waiting or not self.running:
+            return 0
+        per_group = Counter(r.group for r in self.running)
+        if max(per_group.values()) < self.max_running_per_group:
+            return 0
+        return sum(1 for r in self.waiting if per_group[r.group] >= self.max_running_per_group)
+
     def make_stats(self) -> SchedulerStats:
         prefix = self.kv.stats.take()
         stats = SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
+            num_waiting_deferred=self._num_waiting_deferred(),
             kv_cache_usage=self.kv.usage,
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,

@@ -124,6 +124,8 @@ class AsyncLLM:
             DPAsyncMPClient(config, engine_timeout_s) if config.parallel_config.data_parallel_size > 1
             else AsyncMPClient(config, engine_timeout_s, engine=engine, client_index=client_index)
         )
+        self.metrics.record_cache_config(config.cache_config, getattr(self.client, "num_blocks", None),
+                                         config.parallel_config.data_parallel_size)
         # Started once the engine is up, so that they load while the server starts.
         self.chat_renderer = ChatTemplateRenderer(config.model_config.tokenizer)
         self._streams: dict[str, RequestStream] = {}

@@ -112,6 +112,7 @@ class AsyncMPClient:
         self._sender: asyncio.Task | None = None
 
         self._started = time.perf_counter()
+        self.num_blocks: int | None = None
         try:
             self.output_socket.bind(self.engine.output_bind_address)
             self.engine.start(self.output_socket.getsockopt(zmq.LAST_ENDPOINT).decode())
@@ -129,6 +130,7 @@ class AsyncMPClient:
         except BaseException:
             self.shutdown()
             raise
+        self.num_blocks = handshake.num_blocks or None  # the KV cache's blocks (metrics' cache_config_info)
         if not self.engine.owns_engine:
             return  # its owner started it and said so
         total = time.perf_counter() - self._started

@@ -25,6 +25,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 
+from compiled_llm.config import CacheConfig
 from compiled_llm.engine.output_processor import RequestState
 from compiled_llm.messages.engine_core import EngineCoreOutput, SchedulerStats
 
@@ -40,6 +41,8 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 PREFILL_TOKEN_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 N_BUCKETS = (1, 2, 5, 10, 20)
+PREEMPTION_BUCKETS = (0, 1, 2, 5, 10, 20, 50)
+WAITING_REASONS = ("capacity", "deferred")
 
 
 def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
@@ -88,6 +91,10 @@ class EngineMetrics:
         token_buckets = buckets_1_2_5(max_model_len)
         self.num_requests_running = gauge("num_requests_running", "Requests in the model's running batch.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self._waiting_by_reason = Gauge(
+            PREFIX + "num_requests_waiting_by_reason", "Requests waiting to be scheduled, by reason: capacity (no "
+            "room yet) or deferred (held back by a rule: an n > 1 request's samples beyond their share).",
+            ["model_name", "engine", "reason"], registry=reg, multiprocess_mode="mostrecent")
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).")
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
@@ -109,6 +116,8 @@ class EngineMetrics:
             "request_max_num_generation_tokens",
             "Per finished user request, the most tokens any of its n samples generated.", token_buckets)
         self.request_params_n = histogram("request_params_n", "The n of each finished user request.", N_BUCKETS)
+        self.request_num_preemptions = histogram(
+            "request_num_preemptions", "Per finished request, the times it was preempted.", PREEMPTION_BUCKETS)
         self.request_params_max_tokens = histogram("request_params_max_tokens",
                                                    "The max_tokens of each finished request.", token_buckets)
         self.time_to_first_token = histogram(
@@ -143,13 +152,35 @@ class EngineMetrics:
         self._scheduled_time: dict[str, float] = {}
         self._parents: dict[str, list[int]] = {}  # user request id -> its finished samples' token counts
         self._preemptions_seen: dict[int, int] = {}
+        self._request_preemptions: dict[str, int] = {}  # request id -> times preempted, once it has been
         for engine in range(num_engines):  # every engine's gauges exist from the start, at 0
             for metric in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage_perc):
                 metric[engine].set(0)
+            for reason in WAITING_REASONS:
+                self._waiting_by_reason.labels(model_name, str(engine), reason).set(0)
+
+    def record_cache_config(self, cache_config: CacheConfig, num_blocks: int | None, num_engines: int = 1) -> None:
+        """vLLM's `cache_config_info`: an info gauge (always 1) whose labels are the KV cache's
+        settings, and the number of blocks the engine made of its budget."""
+        info = {
+            "block_size": cache_config.block_size,
+            "enable_prefix_caching": cache_config.enable_prefix_caching,
+            "kv_cache_memory_bytes": cache_config.kv_cache_memory_bytes,
+            "gpu_memory_utilization": cache_config.gpu_memory_utilization,
+            "num_gpu_blocks": num_blocks,
+        }
+        names = ["model_name", "engine", *info]
+        gauge = Gauge(PREFIX + "cache_config_info", "Information of the KV cache's configuration (labels).", names,
+                      registry=self.registry, multiprocess_mode="mostrecent")
+        for engine in range(num_engines):
+            gauge.labels(self._model_name, str(engine), *(str(v) for v in info.values())).set(1)
 
     def record_scheduler_stats(self, stats: SchedulerStats, engine: int = 0) -> None:
         self.num_requests_running[engine].set(stats.num_running_reqs)
         self.num_requests_waiting[engine].set(stats.num_waiting_reqs)
+        deferred = min(stats.num_waiting_deferred, stats.num_waiting_reqs)
+        self._waiting_by_reason.labels(self._model_name, str(engine), "capacity").set(stats.num_waiting_reqs - deferred)
+        self._waiting_by_reason.labels(self._model_name, str(engine), "deferred").set(deferred)
         self.kv_cache_usage_perc[engine].set(stats.kv_cache_usage)
         self.prefix_cache_queries[engine].inc(stats.prefix_cache_queries)
         self.prefix_cache_hits[engine].inc(stats.prefix_cache_hits)
@@ -167,6 +198,8 @@ class EngineMetrics:
         rid = state.request_id
         if out.scheduled_time:
             self._scheduled_time[rid] = out.scheduled_time
+        if out.num_preemptions:
+            self._request_preemptions[rid] = out.num_preemptions
         if out.new_token_ids and m.last_token_time is not None:
             previous = self._last_output_time.get(rid)
             if previous is None:
@@ -191,6 +224,7 @@ class EngineMetrics:
         num_generated = len(state.token_ids)
         self.request_prompt_tokens[self.engine].observe(len(state.prompt_token_ids))
         self.request_generation_tokens[self.engine].observe(num_generated)
+        self.request_num_preemptions[self.engine].observe(self._request_preemptions.pop(state.request_id, 0))
         if state.params.max_tokens is not None:
             self.request_params_max_tokens[self.engine].observe(state.params.max_tokens)
         self._record_user_request(state, num_generated)

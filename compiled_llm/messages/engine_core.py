@@ -39,6 +39,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # Once, with the first output: when the request was first scheduled (wall time; the frontend's
     # queue, prefill and decode time metrics are measured from it).
     scheduled_time: float = 0.0
+    # How many times the request has been preempted so far (sent once it has been: 0 is left out).
+    num_preemptions: int = 0
 
     @property
     def finished(self) -> bool:
@@ -66,6 +68,9 @@ class SpecDecodingStats(msgspec.Struct, omit_defaults=True):
 class SchedulerStats(msgspec.Struct, omit_defaults=True):
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
+    # Of the waiting requests, those held back by a rule rather than by the lack of room: the samples
+    # of an n > 1 request whose group holds its share of the running slots (vLLM's reason "deferred").
+    num_waiting_deferred: int = 0
     kv_cache_usage: float = 0.0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0

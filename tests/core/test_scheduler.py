@@ -431,3 +431,26 @@ def test_a_preempted_victim_scheduled_earlier_in_the_step_gives_its_tokens_back(
     assert victims == {"low"}
     assert not s.has_unfinished_requests()
 TestAsyncSchedulerMachine.settings = TestSchedulerMachine.settings
+
+
+def test_stats_count_the_samples_waiting_beyond_their_share_as_deferred():
+    s = make_scheduler(num_blocks=200, max_num_seqs=8, budget=64)
+    for r in samples("big", 10):
+        s.add_request(r)
+    run_step(s)
+    stats = s.make_stats()
+    assert stats.num_running_reqs == 7 and stats.num_waiting_reqs == 3 and stats.num_waiting_deferred == 3
+    s.add_request(req("small", 4))  # waits for the next step, held back by nothing but the step
+    stats = s.make_stats()
+    assert stats.num_waiting_reqs == 4 and stats.num_waiting_deferred == 3
+
+
+def test_outputs_carry_how_often_their_request_was_preempted():
+    s = make_scheduler(num_blocks=7, budget=32, max_model_len=64)  # as in the preemption test above
+    s.add_request(req("a", 8, max_tokens=8))
+    s.add_request(req("b", 8, max_tokens=8))
+    last: dict[str, int] = {}
+    while s.has_unfinished_requests():
+        for r in run_step(s)[1]:
+            last[r.request_id] = r.num_preemptions
+    assert sum(last.values()) == s.num_preemptions > 0
