@@ -81,7 +81,8 @@ class Scheduler:
     ) -> None:
         """`num_blocks`: the KV cache's size, which the runners decide at start-up from their memory."""
         self.speculative_config = speculative_config
-        self.spec_stats = SpecDecodingStats() if speculative_config is not None else None
+        self.spec_stats = SpecDecodingStats() if speculative_config is not None else None  # since the last stats
+        self.spec_totals = SpecDecodingStats()  # since start-up (the acceptance rate in the logs)
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
@@ -353,7 +354,8 @@ class Scheduler:
         is ever cached: a block is hashed only once full of known tokens (`Request.block_hashes`)."""
         request.num_computed_tokens -= num_drafts - num_accepted
         assert self.spec_stats is not None and self.speculative_config is not None
-        self.spec_stats.observe(num_drafts, num_accepted, self.speculative_config.num_speculative_tokens)
+        for stats in (self.spec_stats, self.spec_totals):
+            stats.observe(num_drafts, num_accepted, self.speculative_config.num_speculative_tokens)
 
     def _accept_sampled(
         self, request: Request, sampled: list[int], runner_output: ModelRunnerOutput
