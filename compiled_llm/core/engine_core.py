@@ -31,6 +31,8 @@ from compiled_llm.structured_output_spec import grammar_spec
 
 # How long an idle engine blocks on a grammar being compiled before it looks at its inputs again.
 _GRAMMAR_WAIT_SECONDS = 0.05
+# How often speculative decoding's acceptance rate is logged (when drafts were verified meanwhile).
+_SPEC_LOG_SECONDS = 10.0
 
 logger = init_logger(__name__)
 
@@ -56,6 +58,12 @@ class EngineCore:
         self.structured_outputs: StructuredOutputManager | None = None  # made by the first constrained request
         self.startup_seconds = time.perf_counter() - started
         logger.info("Engine core ready in %.2f s.", self.startup_seconds)
+        spec = config.speculative_config
+        if spec is not None:
+            logger.info("Speculative decoding: %s, %d tokens per step, n-grams of %d to %d tokens; the acceptance "
+                        "rate is logged every %d s.", spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min,
+                        spec.prompt_lookup_max, _SPEC_LOG_SECONDS)
+        self._spec_logged = (time.monotonic(), 0, 0, 0)  # when, and the totals (drafts, proposed, accepted) then
 
     def check_request(self, request: EngineCoreRequest) -> None:
         """Refuse (ValueError) what the model cannot run. The frontend checks the same first; the
@@ -189,9 +197,26 @@ class EngineCore:
 
     def _stats(self) -> SchedulerStats:
         stats = self.scheduler.make_stats()
+        if stats.spec_decoding is not None:
+            self._log_speculation()
         if self.structured_outputs is not None:
             stats.num_waiting_reqs += len(self.structured_outputs)  # waiting for their grammar
         return stats
+
+    def _log_speculation(self) -> None:
+        """The acceptance rate since the last such line, at most every `_SPEC_LOG_SECONDS`."""
+        now = time.monotonic()
+        last, drafts0, proposed0, accepted0 = self._spec_logged
+        if now - last < _SPEC_LOG_SECONDS:
+            return
+        totals = self.scheduler.spec_totals
+        drafts, proposed = totals.num_drafts - drafts0, totals.num_draft_tokens - proposed0
+        accepted = totals.num_accepted_tokens - accepted0
+        self._spec_logged = (now, totals.num_drafts, totals.num_draft_tokens, totals.num_accepted_tokens)
+        if proposed:
+            logger.info("Speculative decoding: acceptance rate %.1f%% (%d of %d draft tokens), mean accepted length "
+                        "%.2f tokens per verification.", 100.0 * accepted / proposed, accepted, proposed,
+                        1.0 + accepted / drafts)
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv.reset_prefix_cache()

@@ -101,6 +101,15 @@ class EngineMetrics:
         self.num_preemptions = counter("num_preemptions", "Requests preempted for lack of KV-cache blocks.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that started generating.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        # Speculative decoding (vLLM's names): verifications, proposed and accepted tokens.
+        self.spec_decode_num_drafts = counter("spec_decode_num_drafts", "Speculative verifications (a request "
+                                              "with at least one draft token in a step).")
+        self.spec_decode_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed.")
+        self.spec_decode_num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self._spec_per_pos = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position in the draft.",
+            ["model_name", "engine", "position"], registry=reg,
+        )
         self._request_success = Counter(
             PREFIX + "request_success", "Finished requests, by finish reason.",
             ["model_name", "engine", "finished_reason"], registry=reg,
@@ -188,6 +197,13 @@ class EngineMetrics:
         seen = self._preemptions_seen.get(engine, 0)
         self.num_preemptions[engine].inc(max(stats.num_preemptions - seen, 0))
         self._preemptions_seen[engine] = stats.num_preemptions
+        spec = stats.spec_decoding
+        if spec is not None and spec.num_drafts:
+            self.spec_decode_num_drafts[engine].inc(spec.num_drafts)
+            self.spec_decode_num_draft_tokens[engine].inc(spec.num_draft_tokens)
+            self.spec_decode_num_accepted_tokens[engine].inc(spec.num_accepted_tokens)
+            for position, accepted in enumerate(spec.num_accepted_tokens_per_pos):
+                self._spec_per_pos.labels(self._model_name, str(engine), str(position)).inc(accepted)
         step_tokens = stats.num_prompt_tokens + stats.num_generation_tokens
         if step_tokens > 0:
             self.iteration_tokens[engine].observe(step_tokens)
