@@ -15,6 +15,8 @@ import os
 import subprocess
 import sys
 import traceback
+from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,7 +24,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
 from compiled_llm.kernels import quantized_reference as ref  # noqa: E402
 from compiled_llm.kernels.gguf_blocks import BLOCK_BYTES, blocks_to_quantized  # noqa: E402
@@ -135,15 +137,26 @@ def check_edges(_=None):
         torch.testing.assert_close(got, x @ ref.dequantize(weight).T, rtol=1e-5, atol=1e-5)
 
 
+@contextmanager
+def forced_path(triton: bool):
+    """Layers built inside take the Triton op (True) or the plain torch path (False), on this CPU."""
+    import compiled_llm.quantization.weight_only as weight_only
+
+    saved = weight_only.uses_triton_kernel, weight_only.uses_quantized_kernel
+    weight_only.uses_triton_kernel = lambda device: triton
+    weight_only.uses_quantized_kernel = lambda *args: False  # not the C++ GEMM
+    try:
+        yield
+    finally:
+        weight_only.uses_triton_kernel, weight_only.uses_quantized_kernel = saved
+
+
 def check_layer_and_trace(_=None):
     """The method's GPU path (forced on this CPU): a fused layer's int4 parts laid out for the op,
     its forward equal to the reference, and Dynamo tracing the op as one opaque node."""
-    import compiled_llm.quantization.weight_only as weight_only
     from compiled_llm.models.layers.linear import MergedLinear
     from compiled_llm.quantization.weight_only import WeightOnlyLinearMethod
 
-    weight_only.uses_triton_kernel = lambda device: True
-    weight_only.uses_quantized_kernel = lambda *args: False
     g = torch.Generator().manual_seed(0)
 
     class Config:
@@ -155,7 +168,8 @@ def check_layer_and_trace(_=None):
     for i, part in enumerate(parts):
         layer.load_checkpoint("weight", part, i)
         layer.load_checkpoint("bias", torch.randn(part.shape[0], generator=g), i)
-    layer.process_weights_after_loading()
+    with forced_path(triton=True):
+        layer.process_weights_after_loading()
     assert layer.triton_kernel and layer.qweight.shape == (88, 64) and layer.qweight.dtype == torch.uint8
     expected_weight = torch.cat([ref.dequantize(ref.quantize_int4(p, 32)) for p in parts])
     x = torch.randn(5, 128, generator=g)
@@ -171,6 +185,37 @@ def check_layer_and_trace(_=None):
     compiled = torch.compile(layer, backend=backend, fullgraph=True, dynamic=True)
     torch.testing.assert_close(compiled(x[:3]), layer(x[:3]))
     assert seen == ["compiled_llm.quant_gemm"], seen  # one opaque op: no de-quantize, no linear
+
+
+def check_model_through_inductor(_=None):
+    """A small int4 model with every linear on the Triton op (forced on this CPU), compiled at -O1
+    (the op opaque inside Inductor's pieces), gives the tokens of the same weights through the
+    torch path at -O0 (or each side's in the other's top 5)."""
+    import tempfile
+
+    from compiled_llm import LLM, SamplingParams
+    from compiled_llm.models.dummy import SMOLLM2_135M, write_dummy_model
+    from tests.oracle import check_close, ours_greedy
+
+    shape = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32, vocab_size=512)
+    prompts = [{"prompt_token_ids": [(5 * i + j) % 500 + 3 for j in range(n)]} for i, n in enumerate([3, 20, 9])]
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=5, ignore_eos=True)
+    with tempfile.TemporaryDirectory() as tmp:  # its own compile cache: the key cannot see the forced path
+        folder = write_dummy_model(Path(tmp) / "model", {**SMOLLM2_135M, **shape})
+        runs = {}
+        for name, level, triton in (("torch", 0, False), ("triton", 1, True)):
+            with forced_path(triton):
+                llm = LLM(folder, load_format="dummy", quantization="int4", quantization_options={"group_size": 32},
+                          optimization_level=level, compile_cache=str(Path(tmp) / "cache"), max_model_len=256,
+                          max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory_bytes=1 << 24)
+            try:
+                layer = llm.llm_engine.engine_core.executor.driver.model.model.layers[0].mlp.down_proj
+                assert layer.triton_kernel == triton
+                runs[name] = ours_greedy(llm.generate(prompts, params, use_tqdm=False))
+            finally:
+                llm.llm_engine.engine_core.shutdown()
+    check_close(runs["triton"], runs["torch"], "Triton op at -O1", "torch at -O0")
 
 
 def test_nibble_layout():
@@ -200,8 +245,48 @@ def test_the_op_has_a_fake_for_tracing():
     assert out.shape == (7, 3, 96) and out.dtype == torch.bfloat16
 
 
+# (activations, bits, per channel, mins, dot in fp32): bf16/fp16 activations dot in their dtype.
+VARIANTS = [("bf16", 4, False, True, False), ("bf16", 8, True, False, False), ("fp16", 8, False, False, False),
+            ("fp32", 4, False, True, True), ("fp32", 8, True, False, True)]
+
+
+@pytest.mark.parametrize("arch", [80, 90], ids=["ampere", "hopper"])
+def test_kernel_compiles_for_nvidia_gpus(arch):
+    """No GPU needed: Triton's own compiler lowers the kernel for the target (to PTX and, with the
+    ptxas it ships, to a cubin), so what the interpreter cannot see (tl.dot's tile shapes and
+    dtypes on tensor cores, the nibble interleave's layouts, shared memory) is checked here. Each
+    variant at one of the block-size configs, every config used."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import compiled_llm.kernels.triton_quant_gemm as gemm
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the interpreter replaces the kernel")
+    try:  # the ptxas Triton's wheels ship beside their CUDA backend
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        get_ptxas(arch)
+    except Exception as e:
+        pytest.skip(f"no ptxas for Triton's CUDA backend here: {e}")
+    ints = ("M", "N", "K", "group_size", "stride_xm", "stride_xk", "stride_qn", "stride_sn", "stride_ym")
+    configs = [tuple(c[1:]) for c in gemm._CONFIGS]
+    for i, (act, bits, per_channel, mins, dot_fp32) in enumerate(VARIANTS):
+        block_m, block_n, block_k, num_warps, num_stages = configs[i % len(configs)]
+        constants = dict(BITS=bits, PER_CHANNEL=per_channel, HAS_MINS=mins, HAS_BIAS=True, DOT_FP32=dot_fp32,
+                         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+        signature = {"x_ptr": f"*{act}", "q_ptr": "*i8" if bits == 8 else "*u8", "scales_ptr": "*fp16",
+                     "mins_ptr": "*fp16", "bias_ptr": f"*{act}", "y_ptr": f"*{act}", **dict.fromkeys(ints, "i32"),
+                     **dict.fromkeys(constants, "constexpr")}
+        source = ASTSource(fn=gemm._quant_gemm_kernel, signature=signature, constexprs=constants)
+        compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                                  options={"num_warps": num_warps, "num_stages": num_stages})
+        assert compiled.asm["cubin"] and compiled.metadata.shared <= 96 * 1024  # fits every GPU since Ampere
+
+
 INTERPRETED = {"quantizer-formats": check_quantizer_formats, "gguf-formats": check_gguf_formats,
-               "edges": check_edges, "layer-and-trace": check_layer_and_trace}
+               "edges": check_edges, "layer-and-trace": check_layer_and_trace,
+               "model-through-inductor": check_model_through_inductor}
 
 
 def _run_interpreted_cases() -> dict[str, str | None]:
@@ -217,7 +302,9 @@ def _run_interpreted_cases() -> dict[str, str | None]:
 
 @pytest.fixture(scope="module")
 def interpreted_results() -> dict[str, str | None]:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    root = str(Path(__file__).resolve().parents[2])  # the script imports tests.oracle
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -235,9 +322,14 @@ def test_interpreted_kernel_matches_reference(interpreted_results, name):
 GPU_SHAPES = [(1, 1536, 576), (8, 576, 1536), (256, 1536, 576), (1000, 6144, 4096), (3, 49152, 576)]
 
 
+# Every format in bfloat16 (a GPU model's dtype), two in fp16 and fp32 too: each (format, dtype,
+# block size, bias) is a Triton compilation of its own, a second or so each.
+GPU_CASES = [(fmt, "bf16") for fmt in (*QUANTIZERS, *GGUF_KINDS)] + [
+    (fmt, dtype) for fmt in ("int8", "Q4_1") for dtype in ("fp16", "fp32")]
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("fmt", [*QUANTIZERS, *GGUF_KINDS])
-@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize(("fmt", "dtype"), GPU_CASES)
 def test_gpu_gemm_matches_reference(fmt, dtype):
     for i, (rows, n, k) in enumerate(GPU_SHAPES):
         if k % 128 and fmt.endswith("g128"):
