@@ -5,7 +5,9 @@ The CPU cases run in one subprocess with TRITON_INTERPRET=1 (this file is its sc
 interpreter never leaks into other tests; Hypothesis draws the shapes there (ragged row and output
 counts, K a multiple of the group, every group size and format, each activation dtype, bias or
 not, strided inputs). The interpreter cannot tl.dot bfloat16, so there a bfloat16 tile is widened to
-float32 for the dot; the bfloat16 dot itself runs in the `cuda` tests only.
+float32 for the dot; the bfloat16 dot itself runs in the `cuda` tests only. What the interpreter
+cannot see (the lowering for tensor cores) is checked by compiling the kernel for Ampere and Hopper
+with Triton's own compiler, which needs no GPU.
 """
 
 from __future__ import annotations
