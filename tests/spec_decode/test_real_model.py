@@ -1,0 +1,56 @@
+"""N-gram speculation on the bundled SmolLM2 through the offline `LLM` API: a rewrite of given text
+(proposals mostly right) and an open question (mostly none) give greedy's tokens, a stop string
+that lands inside an accepted run ends the text where greedy's does; and a request with structured
+outputs (never given drafts) shares verification steps with the others unchanged."""
+
+from __future__ import annotations
+
+import pytest
+
+from compiled_llm import LLM, SamplingParams
+from compiled_llm.sampling_params import StructuredOutputsParams
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+TEXT = ("The old lighthouse stood on the northern cliff, its white paint peeling in the salt wind. Every night "
+        "the keeper climbed the spiral stairs and lit the great lamp.")
+
+
+@pytest.mark.slow
+def test_bundled_model_greedy_with_ngram_equals_without(real_model_path):
+    kwargs = dict(optimization_level=0, max_model_len=512, kv_cache_memory_bytes=64 << 20)
+    base, spec = LLM(real_model_path, **kwargs), LLM(real_model_path, speculative_config=SPEC, **kwargs)
+    chats = [[{"role": "user", "content": f"Copy this text exactly, word for word:\n\n{TEXT}"}],
+             [{"role": "user", "content": "Name a color."}]]
+    params = SamplingParams(max_tokens=32, temperature=0.0)
+    want = [o.outputs[0] for o in base.chat(chats, params, use_tqdm=False)]
+    got = [o.outputs[0] for o in spec.chat(chats, params, use_tqdm=False)]
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    totals = spec.llm_engine.engine_core.scheduler.spec_totals
+    assert totals.num_accepted_tokens >= 10  # the copy was mostly proposed right
+    # A stop string inside the copied text: it ends inside an accepted run.
+    stop = SamplingParams(max_tokens=32, temperature=0.0, stop=["spiral"])
+    want_stop = base.chat(chats[:1], stop, use_tqdm=False)[0].outputs[0]
+    got_stop = spec.chat(chats[:1], stop, use_tqdm=False)[0].outputs[0]
+    assert got_stop.text == want_stop.text and got_stop.token_ids == want_stop.token_ids
+    assert got_stop.finish_reason == "stop"
+    pool = spec.llm_engine.engine_core.scheduler.kv.pool
+    assert pool.num_free_blocks == pool.num_blocks - 1
+
+
+def test_structured_outputs_share_verification_steps(tiny_llama):
+    kwargs = dict(optimization_level=0, max_model_len=256, kv_cache_memory_bytes=16 << 20)
+    base = LLM(tiny_llama, **kwargs)
+    spec = LLM(tiny_llama, speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+               **kwargs)
+    prompts = [{"prompt_token_ids": [40, 41, 42, 43] * 5}, {"prompt_token_ids": [7, 8, 9] * 4}]
+    # A logit bias makes the first request repeat itself (drafts proposed and accepted, the bias applied
+    # at every verified position).
+    params = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logit_bias={41: 30.0}),
+              SamplingParams(max_tokens=20, temperature=0.0,
+                             structured_outputs=StructuredOutputsParams(regex="[a-z]{3,12}"))]
+    want = [o.outputs[0].token_ids for o in base.generate(prompts, params, use_tqdm=False)]
+    before = spec.llm_engine.engine_core.scheduler.spec_totals.num_drafts
+    got = [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)]
+    totals = spec.llm_engine.engine_core.scheduler.spec_totals
+    assert got == want and totals.num_drafts > before and totals.num_accepted_tokens > 0
+    assert want[0] == [41] * 20
