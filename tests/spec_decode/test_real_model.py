@@ -54,3 +54,19 @@ def test_structured_outputs_share_verification_steps(tiny_llama):
     totals = spec.llm_engine.engine_core.scheduler.spec_totals
     assert got == want and totals.num_drafts > before and totals.num_accepted_tokens > 0
     assert want[0] == [41] * 20
+
+
+@pytest.mark.slow
+def test_warm_start_with_speculation_compiles_nothing(real_model_path, warm_compile_cache):
+    """Speculation leaves the compiled graph alone: the precompiled entry serves it (zero Inductor
+    runs), and the compiled verification forward gives the compiled decode's tokens."""
+    kwargs = dict(optimization_level=1, require_cache_hit=True, max_model_len=1024, kv_cache_memory_bytes=64 << 20)
+    chats = [[{"role": "user", "content": f"Copy this text exactly, word for word:\n\n{TEXT}"}]]
+    params = SamplingParams(max_tokens=32, temperature=0.0)
+    spec = LLM(real_model_path, speculative_config=SPEC, **kwargs)
+    assert spec.llm_engine.engine_core.executor.driver.compiled_forward.report.inductor_compilations == 0
+    got = spec.chat(chats, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert spec.llm_engine.engine_core.scheduler.spec_totals.num_accepted_tokens >= 10
+    del spec
+    want = LLM(real_model_path, **kwargs).chat(chats, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == want
