@@ -334,9 +334,12 @@ def test_export_then_import_starts_warm_with_zero_compilations(cache, tiny_llama
     assert status == 0 and f"{key}: imported" in text
     assert run(capsys, "verify", "--compile-cache", str(fresh))[0] == 0
     assert [p.name for p in fresh.iterdir() if p.is_dir()] == [key]  # no temp folder left
+    lock, before = fresh / f".{key}.lock", tree(fresh / key)
+    os.utime(lock, (1e9, 1e9))  # last used in 2001
     warm = last_json(precompile(tiny_llama, fresh, "--require-cache-hit"))
     assert warm["inductor_compilations"] == 0 and warm["artifacts_loaded"] > 0
     assert Path(warm["cache_dir"]) == fresh / key
+    assert tree(fresh / key) == before and lock.stat().st_mtime > time.time() - 600  # last used: now, in the lock
     status, text, _ = run(capsys, "import", str(archive), "--compile-cache", str(fresh))
     assert status == 0 and "already present and whole: kept it" in text
 
