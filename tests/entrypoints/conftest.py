@@ -4,7 +4,8 @@ parsed in the Hermes format. Started once per session and shared, to keep the su
 
 And one on a tiny random model, uncompiled, for what does not depend on the model's words (the
 output is forced, or only its shape matters), with the optional server flags switched on: its own
-chat template, the tokenizer info and load routes, auto tool choice (Hermes)."""
+chat template, the tokenizer info and load routes, auto tool choice (Hermes), reasoning (qwen3: an
+output that does not open a <think> block is all content)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ def tiny_api_server(tiny_llama, tmp_path_factory):
         tiny_llama, "-O0", "--max-model-len", "512", "--kv-cache-memory-bytes", str(64 << 20),
         "--served-model-name", "tiny", "--chat-template", str(template), "--enable-tokenizer-info-endpoint",
         "--enable-server-load-tracking", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+        "--reasoning-parser", "qwen3",
     ])
     yield server
     server.stop()

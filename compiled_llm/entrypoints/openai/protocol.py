@@ -382,7 +382,7 @@ class ToolParam(OpenAIBaseModel):
 
 class ChatCompletionRequest(SamplingRequest):
     REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = {
-        **SamplingRequest.REFUSED, "include_reasoning": (True, False),
+        **SamplingRequest.REFUSED,
     }
 
     messages: list[ChatMessage]
@@ -405,6 +405,7 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     return_prompt_text: bool | None = None
+    include_reasoning: bool = True  # with --reasoning-parser: false leaves the reasoning out
 
     def unsupported(self) -> str | None:
         if not self.messages:
@@ -457,12 +458,19 @@ class ToolCall(OpenAIBaseModel):
 class ChatResponseMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
+    # With --reasoning-parser (set, even to None, only then): the text of the model's thinking,
+    # under vLLM's name and its older one.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
     function_call: FunctionCall | None = None  # the older functions API's single call
 
     @model_serializer(mode="wrap")
     def _leave_out_empty(self, handler: Any) -> dict[str, Any]:
         data = handler(self)
+        for name in ("reasoning", "reasoning_content"):
+            if name not in self.model_fields_set:
+                data.pop(name, None)
         if not data.get("tool_calls"):
             data.pop("tool_calls", None)
         if data.get("function_call") is None:
@@ -514,13 +522,15 @@ class DeltaToolCall(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None  # vLLM's older name of `reasoning`
     tool_calls: list[DeltaToolCall] | None = None
     function_call: DeltaFunctionCall | None = None
 
     @model_serializer(mode="wrap")
     def _leave_out_empty(self, handler: Any) -> dict[str, Any]:
         data = handler(self)
-        for name in ("tool_calls", "function_call"):
+        for name in ("reasoning", "reasoning_content", "tool_calls", "function_call"):
             if data.get(name) is None:
                 data.pop(name, None)
         return data

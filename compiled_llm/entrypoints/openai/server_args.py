@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from compiled_llm.engine.arg_utils import CliArgs, positive_int, setting
 from compiled_llm.entrypoints.chat_utils import CONTENT_FORMATS, load_chat_template
+from compiled_llm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from compiled_llm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 SERVER = "server"  # the help group
@@ -48,6 +49,11 @@ class ServerArgs(CliArgs):
         "it shows the template and the model's folder).", group=SERVER)
     enable_server_load_tracking: bool = setting(
         False, "Count the requests in progress on the generation routes, for GET /load (as vLLM).", group=SERVER)
+    reasoning_parser: str | None = setting(
+        None, "Split the model's thinking from its answer into the message's `reasoning` (and `reasoning_content`), "
+        "streamed as their own deltas: qwen3 (an output that opens <think>...</think>) or deepseek_r1 (reasoning "
+        "from the output's start until </think>, the template having opened the block).", group=SERVER,
+        choices=REASONING_PARSERS)
     stream_interval: int = setting(
         1, "Stream tokens in events of N (the first and last event excepted): one socket write and wake-up per N "
         "tokens instead of per token, for many streams at a high token rate, at the cost of coarser inter-token "

@@ -30,6 +30,8 @@ from compiled_llm.entrypoints.openai.protocol import (
     ToolCall,
     UsageInfo,
 )
+from compiled_llm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS, ReasoningParser, ReasoningStreamer
+from compiled_llm.entrypoints.openai.reasoning_parsers.think import Qwen3ReasoningParser
 from compiled_llm.entrypoints.openai.serving_engine import (
     OpenAIServing,
     event_stream,
@@ -37,7 +39,7 @@ from compiled_llm.entrypoints.openai.serving_engine import (
     json_response,
     usage_info,
 )
-from compiled_llm.entrypoints.openai.stream_events import chat_choice, chat_chunk, content_delta
+from compiled_llm.entrypoints.openai.stream_events import chat_choice, chat_chunk, content_delta, reasoning_delta
 from compiled_llm.entrypoints.openai.structured_outputs import requested_structured_outputs
 from compiled_llm.entrypoints.openai.tool_parsers import ToolCallDelta
 from compiled_llm.entrypoints.openai.tool_parsers.streaming import make_tool_call_id
@@ -87,10 +89,12 @@ def message_dict(message: ChatMessage, content_format: ChatTemplateContentFormat
 
 @dataclass
 class _ChoiceStream:
-    """One choice of a streamed reply: its text so far, its tool-call streamer, and the tokens not
-    yet sent (their text may be held back while it could still open a tool call)."""
+    """One choice of a streamed reply: its text so far, its reasoning and tool-call streamers, and
+    the tokens not yet sent (their text may be held back while it could still be a tag)."""
 
     streamer: Any = None
+    reasoning: ReasoningStreamer | None = None
+    content_sent: str = ""  # (with reasoning, without tools) the content streamed so far
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
@@ -163,6 +167,13 @@ class OpenAIServingChat(OpenAIServing):
         if structured is not None and tools.constrains_output:
             raise OpenAIError("You can only either use constraints for structured outputs or tools, not both: "
                               f"tool_choice {tools.mode} constrains the output already.", param="tool_choice")
+        # Calls that tool_choice constrains have no reasoning to split off. The request's own constraint
+        # shapes the whole output here (vLLM's grammar waits for the reasoning to end): only a block
+        # the output opens itself is reasoning then, however the parser reads free text.
+        reasoning = self.server_args.reasoning_parser
+        reasoning_parser = None
+        if reasoning and not tools.constrains_output:
+            reasoning_parser = REASONING_PARSERS[reasoning] if structured is None else Qwen3ReasoningParser
         structured = structured or tools.structured_outputs()
         text, ids = await self.render(request.messages, request.generation_prompt, request.chat_template,
                                       self.template_kwargs(request, tools.template_tools), request.add_special_tokens)
@@ -177,7 +188,7 @@ class OpenAIServingChat(OpenAIServing):
         request_id = f"chatcmpl-{self.base_request_id(request)}"
         stream = await self.add_request(request_id, {"prompt": text, "prompt_token_ids": ids}, params, request.priority)
         echo = message_text(request.messages[-1]) if request.echo and request.messages[-1].role == "assistant" else ""
-        reply = _Reply(request, request_id, tools, ids, text, num_top or 0, echo)
+        reply = _Reply(request, request_id, tools, ids, text, num_top or 0, echo, reasoning_parser, bool(reasoning))
         if request.stream:
             return event_stream(self._events(reply, stream), [request_id], self.engine)
         return await json_response(raw_request, self._respond(reply, stream), [request_id], self.engine)
@@ -187,9 +198,18 @@ class OpenAIServingChat(OpenAIServing):
         out = await final_output(stream)
         choices = []
         for c in out.outputs:
-            message = ChatResponseMessage(content=c.text)
+            text, reasoning = c.text, None
+            if reply.reasoning_parser is not None:  # tool calls are parsed from what follows the reasoning
+                split = reply.reasoning_parser().split(c.text, final=True)
+                text, reasoning = split.content, split.reasoning
+            if reply.shows_reasoning:
+                shown = reasoning if request.include_reasoning else None
+                message = ChatResponseMessage(content=(text or None) if reasoning is not None else text,
+                                              reasoning=shown, reasoning_content=shown)
+            else:
+                message = ChatResponseMessage(content=text)
             called = False
-            extracted = reply.tools.extract(c.text)
+            extracted = reply.tools.extract(text)
             if extracted is not None and (extracted.calls or reply.tools.constrains_output):
                 message.content = extracted.content  # constrained output cut short: no call, no content
             if extracted is not None and extracted.calls:
@@ -237,7 +257,8 @@ class OpenAIServingChat(OpenAIServing):
                 return None
             return usage_info(len(reply.prompt_token_ids), completion_tokens, cached)
 
-        choices = {index: _ChoiceStream(reply.tools.new_streamer()) for index in range(request.n or 1)}
+        choices = {index: _ChoiceStream(reply.tools.new_streamer(), reply.new_reasoning_streamer())
+                   for index in range(request.n or 1)}
         for index in choices:
             yield chunk([chat_choice(index, content_delta("", role="assistant"))], usage_now(), first=index == 0)
             if reply.echo:
@@ -272,12 +293,22 @@ class OpenAIServingChat(OpenAIServing):
     def _delta(reply: _Reply, state: _ChoiceStream, c: CompletionOutput) -> dict[str, Any] | DeltaMessage | None:
         """What this output adds to the choice's message, or None if nothing is ready to send."""
         finished = c.finish_reason is not None
-        if state.streamer is None:
+        if state.streamer is None and state.reasoning is None:
             return content_delta(c.text)
-        content, calls = state.streamer.update(state.text, finished)
-        if not content and not calls and not finished:
+        reasoning, text = "", state.text
+        if state.reasoning is not None:  # what follows the reasoning is the content (and the tool calls)
+            reasoning, text = state.reasoning.update(state.text, finished)
+            reasoning = reasoning if reply.request.include_reasoning else ""
+        if state.streamer is None:
+            content, calls = text[len(state.content_sent):], []
+            state.content_sent = text
+        else:
+            content, calls = state.streamer.update(text, finished)
+        if not reasoning and not content and not calls and not finished:
             return None
-        delta = DeltaMessage(content=content or None)
+        if reasoning and not content and not calls:
+            return reasoning_delta(reasoning)
+        delta = DeltaMessage(content=content or None, reasoning=reasoning or None, reasoning_content=reasoning or None)
         if calls and reply.tools.legacy:
             first = [d for d in calls if d.index == 0]
             if first:
@@ -305,3 +336,8 @@ class _Reply:
     prompt_text: str
     num_top: int
     echo: str  # the assistant message it continues, repeated in front of the reply (vLLM's echo)
+    reasoning_parser: type[ReasoningParser] | None = None  # None: no reasoning to split off
+    shows_reasoning: bool = False  # the server has a reasoning parser: messages carry `reasoning`
+
+    def new_reasoning_streamer(self) -> ReasoningStreamer | None:
+        return ReasoningStreamer(self.reasoning_parser()) if self.reasoning_parser is not None else None

@@ -38,6 +38,11 @@ def content_delta(content: str | None, role: str | None = None) -> dict[str, Any
     return {"role": role, "content": content}
 
 
+def reasoning_delta(reasoning: str, role: str | None = None) -> dict[str, Any]:
+    """A `DeltaMessage` carrying reasoning, under vLLM's name and its older one."""
+    return {"role": role, "content": None, "reasoning": reasoning, "reasoning_content": reasoning}
+
+
 def chat_choice(
     index: int, delta: dict[str, Any] | BaseModel, logprobs: Any = None, finish_reason: str | None = None,
     stop_reason: int | str | None = None, token_ids: list[int] | None = None,
