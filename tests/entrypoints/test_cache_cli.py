@@ -7,6 +7,7 @@ process: a start that holds an entry's lock, and the warm start after an import.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import io
 import json
@@ -19,8 +20,10 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from compiled_llm.compilation.compile_cache import signature
+from compiled_llm.compilation.compile_cache import CompileCache, signature
 from compiled_llm.entrypoints.cli import main
 
 TINY_FLAGS = ["--max-model-len", "256", "--max-num-batched-tokens", "64", "--max-num-seqs", "8"]
@@ -433,3 +436,50 @@ def test_import_replaces_a_damaged_entry_and_sets_it_aside(cache, tmp_path, caps
     assert run(capsys, "verify", "--compile-cache", str(root))[0] == 0
     aside = next(root.glob(f"{key}.broken-*"))  # the damaged entry, kept for inspection
     assert (aside / "artifacts" / victim.name).read_bytes() != victim.read_bytes()
+
+
+# ---- the prune policy ------------------------------------------------------------------------------
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 100), st.booleans()), min_size=0, max_size=8),
+       st.one_of(st.none(), st.integers(0, 400)), st.one_of(st.none(), st.integers(0, 9)),
+       st.one_of(st.none(), st.integers(0, 10)))
+def test_prune_chooses_least_recently_used_first_and_never_an_entry_in_use(spec, max_size, keep_last, older_than):
+    from compiled_llm.entrypoints.cache_cli import Candidate, choose_removals
+
+    now = 1000.0
+    # Entry i was last used i hours ago (distinct times): index order is most recent first.
+    candidates = [Candidate(CompileCache("/nonexistent", f"{i:016x}", {}), size, now - i * 3600, in_use)
+                  for i, (size, in_use) in enumerate(spec)]
+    chosen = choose_removals(candidates, older_than and older_than * 3600.0, max_size, keep_last, now)
+    ids = {id(c) for c in chosen}
+    kept = [c for c in candidates if id(c) not in ids]
+    assert len(ids) == len(chosen) and not any(c.in_use for c in chosen)
+    free = [c for c in candidates if not c.in_use]
+    for i, c in enumerate(candidates):
+        if c.in_use:
+            continue
+        if keep_last is not None and i >= keep_last:
+            assert id(c) in ids
+        if older_than is not None and now - c.last_used > older_than * 3600:
+            assert id(c) in ids
+    if max_size is not None:
+        total = sum(c.size for c in kept)
+        assert total <= max_size or all(id(c) in ids for c in free)
+    if keep_last is None and older_than is None and max_size is not None and chosen:
+        # Least recently used first, and no more than needed.
+        assert max(c.last_used for c in chosen) <= min((c.last_used for c in kept if not c.in_use), default=now)
+        assert sum(c.size for c in kept) + min(chosen, key=lambda c: -c.last_used).size > max_size
+    if keep_last is None and older_than is None and max_size is None:
+        assert chosen == []
+
+
+def test_durations_and_sizes_parse_as_documented():
+    from compiled_llm.entrypoints.cache_cli import parse_duration, parse_size
+
+    assert [parse_duration(t) for t in ("7d", "12h", "30m", "90s", "2w", "1.5h")] == [
+        604800, 43200, 1800, 90, 1209600, 5400]
+    assert [parse_size(t) for t in ("2G", "500M", "1.5g", "800k", "1024", "2GiB", "3mb")] == [
+        2 << 30, 500 << 20, 3 << 29, 800 << 10, 1024, 2 << 30, 3 << 20]
+    for bad in ("7", "d", "-1d", "2X"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            (parse_size if bad == "2X" else parse_duration)(bad)
