@@ -164,10 +164,12 @@ def _check_archive(tar: tarfile.TarFile, archive: Path, signing_key: bytes | Non
     for rel in members:
         if rel not in files and rel not in (INDEX_FILE, SIGNATURE_FILE):
             raise CompileCacheError(f"{where}: member {key}/{rel} is not listed in its {INDEX_FILE}")
-    for rel, record in sorted(files.items()):
+    for rel in sorted(files):
         if rel not in members:
             raise CompileCacheError(f"{where}: {rel}, listed in its {INDEX_FILE}, is missing")
-        if (members[rel].size, _digest(tar.extractfile(members[rel]))[0]) != (record["bytes"], record["sha256"]):
+    for rel, info in members.items():  # in the archive's order: a compressed one is read forward only
+        record = files.get(rel)
+        if record is not None and (info.size, _digest(tar.extractfile(info))[0]) != (record["bytes"], record["sha256"]):
             raise CompileCacheError(f"{where}: {key}/{rel} does not match its checksum")
     return key, files, members
 
@@ -190,9 +192,7 @@ def import_entry(root: str | Path | None, archive: str | Path, signing_key: byte
         staging = cache.root / f".{key}.import-{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)
         try:
-            for rel in [INDEX_FILE, SIGNATURE_FILE, *sorted(files)]:
-                if rel not in members:
-                    continue
+            for rel in members:
                 dest = staging / rel
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
