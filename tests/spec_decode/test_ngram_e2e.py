@@ -132,3 +132,30 @@ def test_prefix_caching_reuses_only_blocks_of_known_tokens(small_vocab_llama):
     assert [list(o.outputs[0].token_ids) for o in outs] == [
         list(o.outputs[0].token_ids) for o in base.generate(longer, params, use_tqdm=False)]
     assert_blocks_free(spec)
+
+
+def test_tensor_parallel_ranks_take_in_the_drivers_verdict(small_vocab_llama):
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    expected = tokens(make_llm(small_vocab_llama, None), REPEATING, params)
+    tp = make_llm(small_vocab_llama, SPEC, tensor_parallel_size=2)
+    try:
+        assert tokens(tp, REPEATING, params) == expected
+        assert tp.llm_engine.engine_core.scheduler.spec_totals.num_accepted_tokens > 0
+        assert_blocks_free(tp)
+    finally:
+        tp.llm_engine.engine_core.shutdown()
+
+
+def test_aborts_mid_flight_free_every_block(pair):
+    _, spec = pair
+    engine = spec.llm_engine
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(REPEATING):
+        engine.add_request(f"abort-{i}", {"prompt_token_ids": prompt}, params)
+    for _ in range(6):
+        engine.step()
+    assert engine.engine_core.scheduler.spec_totals.num_drafts > 0
+    engine.abort_request([f"abort-{i}" for i in range(len(REPEATING))])
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_blocks_free(spec)
