@@ -210,11 +210,11 @@ def import_entry(root: str | Path | None, archive: str | Path, signing_key: byte
 
 def _install(cache: CompileCache, staging: Path) -> str:
     """Rename the checked copy into place under the entry's lock, unless a good entry is there."""
-    with cache._locked() as lock:
+    with cache.locked() as lock:
         outcome = "imported"
         if cache.entry.exists():
             if cache.complete and not cache.verify():
-                cache._mark_used(lock)
+                cache.mark_used(lock)
                 return "kept"
             aside = cache.root / f"{cache.key}.broken-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
             os.replace(cache.entry, aside)

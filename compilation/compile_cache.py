@@ -26,7 +26,7 @@ What it promises:
   and no entry folder it created.
 - A damaged file is set aside (moved to `<key>.broken-*`, never deleted) and only it is rebuilt.
 - Every failure a user can fix is a `CompileCacheError` whose message is one line saying which.
-- The cache can be inspected without loading anything (`entries`, `read_factors`, `verify`,
+- The cache can be inspected without loading anything (`entries`, `existing`, `verify`,
   `in_use`) and an entry removed only when no process holds it (`remove`): `compiled-llm cache`.
 
 The trust model: a cache entry is code (pickled graphs, generated Python, shared libraries).
@@ -270,7 +270,7 @@ class CompileCache:
             try:
                 self._remove_temp_files()
                 yield
-                self._mark_used(lock)
+                self.mark_used(lock)
             except BaseException as e:
                 error = self._as_write_error(e)  # before the clean-up frees the disk
                 emptied = self._undo_partial_writes(created_entry=not entry_existed, failed_write=error is not None)
@@ -353,8 +353,10 @@ class CompileCache:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
 
+    locked = _locked  # for tools that change an entry from outside a start (cache_archive's import)
+
     @staticmethod
-    def _mark_used(lock: Path) -> None:
+    def mark_used(lock: Path) -> None:
         """Last used goes in the lock file's mtime: a warm start writes nothing in the entry."""
         try:
             os.utime(lock)

@@ -245,6 +245,7 @@ def choose_removals(candidates: list[Candidate], older_than: float | None, max_s
         chosen += ordered[keep_last:]
     if older_than is not None:
         chosen += [c for c in ordered if now - c.last_used > older_than]
+    chosen = [c for c in chosen if not c.in_use]  # kept: its size counts toward --max-size below
     if max_size is not None:
         total = sum(c.size for c in ordered if c not in chosen)
         for c in reversed(ordered):  # least recently used first
@@ -253,7 +254,7 @@ def choose_removals(candidates: list[Candidate], older_than: float | None, max_s
             if c not in chosen and not c.in_use:
                 chosen.append(c)
                 total -= c.size
-    unique = {id(c): c for c in chosen if not c.in_use}
+    unique = {id(c): c for c in chosen}
     return sorted(unique.values(), key=lambda c: c.last_used)
 
 
