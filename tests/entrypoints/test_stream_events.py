@@ -29,6 +29,7 @@ from compiled_llm.entrypoints.openai.stream_events import (
     completion_choice,
     completion_chunk,
     content_delta,
+    reasoning_delta,
 )
 
 # Model output: any text a tokenizer can decode (no lone surrogates), control characters included.
@@ -75,6 +76,15 @@ def test_chat_chunks_match_the_pydantic_model(content, role, tools, index, logpr
     got = chat_chunk("chatcmpl-1", created, "m", [chat_choice(index, delta, logprobs, finish_reason, stop_reason, ids)],
                      usage, prompt_ids, prompt_text)
     assert got == expected
+
+
+@settings(max_examples=100, deadline=None)
+@given(reasoning=texts.filter(bool), role=st.sampled_from([None, "assistant"]), index=st.integers(0, 127))
+def test_reasoning_deltas_match_the_pydantic_model(reasoning, role, index):
+    model_delta = DeltaMessage(role=role, reasoning=reasoning, reasoning_content=reasoning)
+    expected = sse(ChatCompletionChunk(id="chatcmpl-1", created=0, model="m", choices=[
+        ChatCompletionStreamChoice(index=index, delta=model_delta)]))
+    assert chat_chunk("chatcmpl-1", 0, "m", [chat_choice(index, reasoning_delta(reasoning, role))]) == expected
 
 
 @settings(max_examples=200, deadline=None)
