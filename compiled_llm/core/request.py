@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from compiled_llm.core.block_hash import BlockHash, hash_block_tokens
 from compiled_llm.sampling_params import SamplingParams
+from compiled_llm.spec_decode.backoff import AcceptanceBackoff
 from compiled_llm.spec_decode.ngram import NgramIndex
 
 if TYPE_CHECKING:
@@ -69,6 +70,7 @@ class Request:
         self.grammar: RequestGrammar | None = None
         # Speculative decoding (ngram): the index of its tokens, made when first asked for drafts.
         self.ngram: NgramIndex | None = None
+        self.spec_backoff = AcceptanceBackoff()
         self.block_size = block_size
         self.block_hashes: list[BlockHash] = []
         self._update_block_hashes()

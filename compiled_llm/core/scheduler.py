@@ -178,14 +178,14 @@ class Scheduler:
             plan.cached_reqs.append(CachedRequestData(request.request_id, block_ids, request.num_computed_tokens))
 
     def _propose(self, request: Request, token_budget: int) -> list[int]:
-        """Draft tokens for a decoding request to verify in this step (none without speculation):
-        at most what the budget, max_model_len and max_tokens leave room for after its one known
-        token. The proposals come from here, the engine core, where every request's tokens are
-        known once a step is accounted: one index per request, grown as tokens are accepted, and
-        no tokens to ship back from the runners (each rank of a tensor-parallel group would hold
-        the same)."""
+        """Draft tokens for a decoding request to verify in this step (none without speculation, or
+        while its proposals' acceptance is low: `AcceptanceBackoff`): at most what the budget,
+        max_model_len and max_tokens leave room for after its one known token. The proposals come
+        from here, the engine core, where every request's tokens are known once a step is
+        accounted: one index per request, grown as tokens are accepted, and no tokens to ship back
+        from the runners (each rank of a tensor-parallel group would hold the same)."""
         spec = self.speculative_config
-        if spec is None or not request.may_speculate:
+        if spec is None or not request.may_speculate or not request.spec_backoff.may_propose():
             return []
         room = min(spec.num_speculative_tokens, token_budget - 1, self.config.max_model_len - request.num_tokens - 1)
         if request.max_tokens is not None:
@@ -353,6 +353,7 @@ class Scheduler:
         tokens; the blocks stay with the request for its next drafts (freed with it). None of them
         is ever cached: a block is hashed only once full of known tokens (`Request.block_hashes`)."""
         request.num_computed_tokens -= num_drafts - num_accepted
+        request.spec_backoff.record(num_drafts, num_accepted)
         assert self.spec_stats is not None and self.speculative_config is not None
         for stats in (self.spec_stats, self.spec_totals):
             stats.observe(num_drafts, num_accepted, self.speculative_config.num_speculative_tokens)

@@ -1,0 +1,47 @@
+"""Adaptive back-off: a request whose proposals keep failing is paused (longer each time in a row),
+one whose proposals land keeps proposing; the scheduler asks for drafts only when it may."""
+
+from __future__ import annotations
+
+from compiled_llm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from compiled_llm.core.request import Request
+from compiled_llm.core.scheduler import Scheduler
+from compiled_llm.messages.runner_output import ModelRunnerOutput
+from compiled_llm.sampling_params import SamplingParams
+from compiled_llm.spec_decode.backoff import AcceptanceBackoff
+
+
+def pauses(backoff: AcceptanceBackoff, verdicts: list[int], k: int = 4) -> list[int]:
+    """Feed verdicts (accepted of k) whenever it may propose; the steps it sat out before each."""
+    out, waited = [], 0
+    verdicts = list(verdicts)
+    while verdicts:
+        if backoff.may_propose():
+            out.append(waited)
+            waited = 0
+            backoff.record(k, verdicts.pop(0))
+        else:
+            waited += 1
+    return out
+
+
+def test_rejections_pause_longer_each_time_and_acceptance_resets():
+    assert pauses(AcceptanceBackoff(), [4] * 10) == [0] * 10
+    waits = pauses(AcceptanceBackoff(), [0] * 8)
+    assert waits[:3] == [0, 0, 0] and waits[3] == 8 and max(waits) <= 128
+    assert [w for w in waits if w] == sorted(w for w in waits if w)  # longer each time
+    assert pauses(AcceptanceBackoff(), [0, 0, 0, 4, 4, 4, 0, 0, 0, 0]) == [0, 0, 0, 8, 0, 0, 0, 0, 0, 8]
+
+
+def test_the_scheduler_stops_proposing_to_a_request_whose_drafts_fail():
+    s = Scheduler(SchedulerConfig(4, 64, 256), CacheConfig(block_size=4), 128, SpeculativeConfig("ngram", 3, 1, 1))
+    s.add_request(Request("a", [5, 6, 5, 6, 5], SamplingParams(max_tokens=60), [2], 4))
+    verified = 0
+    for _ in range(60):
+        if not s.has_unfinished_requests():
+            break
+        out = s.schedule()
+        drafts = out.scheduled_spec_decode_tokens.get("a", [])
+        verified += bool(drafts)
+        s.update_from_output(out, ModelRunnerOutput(["a"], [[5 if drafts == [] else 7]]))  # every draft rejected
+    assert 3 <= verified <= 10  # not every one of ~60 steps
