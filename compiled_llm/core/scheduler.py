@@ -167,10 +167,15 @@ class Scheduler:
             if num_new <= 0:
                 continue
             drafts = self._propose(request, plan.token_budget) if computable == 1 else []
-            num_new += len(drafts)
-            new_blocks = self._allocate_preempting(request, num_new, plan)
-            if new_blocks is None:  # preempted itself: nothing left to try
-                break
+            # Drafts take free blocks only: rather than preempt anyone for them, the request decodes one token.
+            new_blocks = self.kv.allocate_slots(request, num_new + len(drafts)) if drafts else None
+            if new_blocks is not None:
+                num_new += len(drafts)
+            else:
+                drafts = []
+                new_blocks = self._allocate_preempting(request, num_new, plan)
+                if new_blocks is None:  # preempted itself: nothing left to try
+                    break
             plan.take(request, num_new)
             if drafts:
                 plan.spec_tokens[request.request_id] = drafts

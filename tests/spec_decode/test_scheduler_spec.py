@@ -121,3 +121,12 @@ def test_only_blocks_of_known_tokens_are_ever_cached(accepts, seed):
                     parent = request.block_hashes[i - 1] if i else None
                     assert block.block_hash == hash_block_tokens(parent, tokens)
     assert not s.has_unfinished_requests() and s.kv.pool.num_free_blocks == 39
+
+
+def test_drafts_never_preempt_anyone():
+    s = make_scheduler(k=3, num_blocks=3)  # two usable blocks of 4 tokens
+    add(s, "a", [5, 6, 7, 5, 6, 7, 5])
+    step(s, next_token=lambda rid: 6)  # 8 tokens: both blocks; drafts 7 5 6 would need a third
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"a": 1} and not out.scheduled_spec_decode_tokens
+    assert s.num_preemptions == 0
