@@ -80,6 +80,9 @@ class Scheduler:
         speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         """`num_blocks`: the KV cache's size, which the runners decide at start-up from their memory."""
+        if speculative_config is not None and scheduler_config.async_scheduling:
+            raise ValueError("Speculative decoding runs with synchronous scheduling: a step's drafts follow the "
+                             "tokens the step before accepted (EngineArgs turns async scheduling off).")
         self.speculative_config = speculative_config
         self.spec_stats = SpecDecodingStats() if speculative_config is not None else None  # since the last stats
         self.spec_totals = SpecDecodingStats()  # since start-up (the acceptance rate in the logs)

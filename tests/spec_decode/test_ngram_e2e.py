@@ -159,3 +159,17 @@ def test_aborts_mid_flight_free_every_block(pair):
     while engine.has_unfinished_requests():
         engine.step()
     assert_blocks_free(spec)
+
+
+def test_requests_with_penalties_are_not_speculated_and_share_steps_unchanged(pair):
+    base, spec = pair
+    penalised = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, **p) for p in (
+        {"presence_penalty": 0.5}, {"frequency_penalty": 0.4}, {"repetition_penalty": 1.3})]
+    plain = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logit_bias={5: 2.0})
+    prompts = [{"prompt_token_ids": p} for p in REPEATING + [REPEATING[0]]]
+    params = penalised + [plain]
+    want = [o.outputs[0].token_ids for o in base.generate(prompts, params, use_tqdm=False)]
+    drafts = spec.llm_engine.engine_core.scheduler.spec_totals.num_drafts
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)] == want
+    assert spec.llm_engine.engine_core.scheduler.spec_totals.num_drafts > drafts  # the plain one speculated
+    assert_blocks_free(spec)
