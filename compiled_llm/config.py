@@ -96,6 +96,8 @@ def describe_cpu_dtype(dtype: torch.dtype) -> str:
 QUANTIZATION_NAMES = ("int8", "int4", "fp16_storage", "gguf", "fp8")
 # The method of a .gguf MODEL (and of no other): its blocks served as they ship.
 GGUF = "gguf"
+# The methods whose CPU GEMM takes float32 activations: `--dtype auto` means float32 for them.
+FLOAT32_ACTIVATION_METHODS = ("gguf", "int8", "int4")
 # The 16-bit weight storage method: float32 activations over 16-bit weights.
 HALF_STORAGE = "fp16_storage"
 
@@ -235,8 +237,10 @@ class ModelConfig:
             raise ValueError(
                 f"max_model_len={max_model_len} exceeds the model's max_position_embeddings ({limit})."
             )
-        if quantization == GGUF and dtype == "auto" and device.type == "cpu":
-            dtype = torch.float32  # the CPU kernels de-quantize GGUF blocks against float32 activations
+        if quantization in FLOAT32_ACTIVATION_METHODS and dtype == "auto" and device.type == "cpu":
+            # The CPU kernels de-quantize against float32 activations: `auto` must not pick bf16
+            # there (it would leave them for a de-quantize of the whole weight every step).
+            dtype = torch.float32
         quantization, quantization_options, activation_dtype = resolve_quantization(
             quantization, quantization_options, resolve_dtype(dtype, hf_config, device), device)
         return cls(
