@@ -17,16 +17,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from compiled_llm import LLM, SamplingParams
 from compiled_llm.kernels.fp8_linear import FP8, FP8_MAX, dequantize_fp8_rows, quantize_fp8_rows
 from compiled_llm.models.layers.linear import Linear, MergedLinear
 from compiled_llm.quantization import get_quantization_config
 from compiled_llm.quantization.fp8 import Fp8LinearMethod
 from tests.models.test_hf_parity import PROMPTS
-from tests.oracle import check_close, ours_greedy
+from tests.oracle import check_close
+from tests.quantization.greedy import greedy
 
-ENGINE = dict(optimization_level=0, max_model_len=512, kv_cache_memory_bytes=64 << 20)
-GREEDY = SamplingParams(temperature=0.0, max_tokens=24, logprobs=5, ignore_eos=True)
 E4M3_EPS = 2.0**-4  # e4m3's unit roundoff (3 mantissa bits), for normal values
 E4M3_SUBNORMAL = 2.0**-9  # the spacing of its subnormals (and its smallest positive value)
 
@@ -188,12 +186,7 @@ def test_the_method_is_in_the_cache_key(tiny_llama):
 
 
 # ---- a whole model against float32 --------------------------------------------------------------------
-def _greedy(model: str, quantization: str | None, **engine):
-    llm = LLM(model, quantization=quantization, **{**ENGINE, **engine})
-    try:
-        return ours_greedy(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
-    finally:
-        llm.llm_engine.engine_core.shutdown()
+
 
 
 def _with_fp8_weights(model: str, out: Path) -> str:
@@ -213,13 +206,13 @@ def _with_fp8_weights(model: str, out: Path) -> str:
 # plain one is checked against float32, and both must give float32's tokens on their fp8 weights.
 # (The bundled SmolLM2 under fp8 stays within float32's top 5 too, but takes minutes at -O0 here.)
 def test_tiny_random_model_stays_within_float32s_top5(tiny_llama):
-    check_close(_greedy(tiny_llama, "fp8"), _greedy(tiny_llama, None), "fp8", "float32")
+    check_close(greedy(tiny_llama, "fp8"), greedy(tiny_llama, None), "fp8", "float32")
 
 
 @pytest.mark.parametrize("arch", ["llama", "llama-biased"])
 def test_tiny_random_model_computes_with_its_fp8_weights(tiny_model_factory, tmp_path, arch):
     model = tiny_model_factory(arch)
-    exact = check_close(_greedy(model, "fp8"), _greedy(_with_fp8_weights(model, tmp_path / "as-fp8"), None), "fp8",
+    exact = check_close(greedy(model, "fp8"), greedy(_with_fp8_weights(model, tmp_path / "as-fp8"), None), "fp8",
                         "float32 on its weights")
     assert exact >= len(PROMPTS) - 1
 

@@ -14,25 +14,16 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from compiled_llm import LLM, SamplingParams
 from compiled_llm.kernels import quantized_reference as ref
 from compiled_llm.models.layers.linear import MergedLinear
 from compiled_llm.quantization import get_quantization_config
 from compiled_llm.quantization.weight_only import WeightOnlyLinearMethod
 from tests.models.test_hf_parity import PROMPTS
-from tests.oracle import check_close, ours_greedy
+from tests.oracle import check_close
+from tests.quantization.greedy import greedy
 
-ENGINE = dict(optimization_level=0, max_model_len=512, kv_cache_memory_bytes=64 << 20)
-GREEDY = SamplingParams(temperature=0.0, max_tokens=24, logprobs=5, ignore_eos=True)
 METHODS = {"int8": {}, "int4-g32": {"quantization_options": {"group_size": 32}}}
 
-
-def _greedy(model: str, quantization: str | None, **engine):
-    llm = LLM(model, quantization=quantization, **{**ENGINE, **engine})
-    try:
-        return ours_greedy(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
-    finally:
-        llm.llm_engine.engine_core.shutdown()
 
 
 # ---- one layer ----------------------------------------------------------------------------------
@@ -77,14 +68,14 @@ def test_the_lm_head_gets_per_channel_int8_under_int8_and_int4():
 # ---- whole models against float32 ----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def bundled_float(real_model_path):
-    return _greedy(real_model_path, None)
+    return greedy(real_model_path, None)
 
 
 # int4 in groups of 32 (the shipped GGUF file's Q4_1 groups): with the default 128, SmolLM2-135M's
 # greedy tokens leave float32's top 5 on two of the eight prompts (a 135M model has little slack).
 @pytest.mark.parametrize("method", ["int8", "int4-g32"])
 def test_bundled_model_stays_close_to_float32(real_model_path, bundled_float, method):
-    check_close(_greedy(real_model_path, method.split("-")[0], **METHODS[method]), bundled_float, method, "float32")
+    check_close(greedy(real_model_path, method.split("-")[0], **METHODS[method]), bundled_float, method, "float32")
 
 
 def _with_weights_as_quantized(model: str, out: Path, quantize) -> str:
@@ -110,7 +101,7 @@ def test_tiny_random_model_computes_with_the_weights_its_format_stands_for(tiny_
     model = tiny_model_factory("llama-biased")
     quantize = ref.quantize_int8 if method == "int8" else ref.quantize_int4
     as_quantized = _with_weights_as_quantized(model, tmp_path / "as-quantized", quantize)
-    exact = check_close(_greedy(model, method), _greedy(as_quantized, None), method, "float32 on its weights")
+    exact = check_close(greedy(model, method), greedy(as_quantized, None), method, "float32 on its weights")
     assert exact >= len(PROMPTS) - 1
 
 
@@ -120,8 +111,8 @@ def test_int8_tp2_equals_tp1(tiny_model_factory, arch):
     """Row-parallel layers quantize the whole weight before cutting their columns, so both ranks
     keep the per-channel scales one rank has: the same weights, the same tokens."""
     model = tiny_model_factory(arch)
-    one = _greedy(model, "int8")
-    two = _greedy(model, "int8", tensor_parallel_size=2)
+    one = greedy(model, "int8")
+    two = greedy(model, "int8", tensor_parallel_size=2)
     assert [r.token_ids for r in two] == [r.token_ids for r in one]
 
 
