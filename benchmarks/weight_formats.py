@@ -203,7 +203,7 @@ def main() -> None:
         "Q8_0": [("ours int8 (per channel)", dict(model=hf_folder, quantization="int8"), None)],
         "Q4_1": [("ours int4 (group 32)", dict(model=hf_folder, quantization="int4",
                                               quantization_options={"group_size": 32}), None),
-                 ("ours int4 (group 128)", dict(model=hf_folder, quantization="int4"), None)],  # g128: vLLM's default
+                 ("ours int4 (group 128)", dict(model=hf_folder, quantization="int4"), None)],  # the default group size
     }
     rows: list[tuple[str, str, dict]] = []
     for kind in [k for k in args.formats.split(",") if k]:
