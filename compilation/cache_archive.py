@@ -20,10 +20,12 @@ import hashlib
 import hmac
 import io
 import json
+import lzma
 import os
 import shutil
 import tarfile
 import time
+import zlib
 from pathlib import Path, PurePosixPath
 from typing import IO
 
@@ -38,6 +40,8 @@ from compiled_llm.compilation.compile_cache import (
 )
 
 CHUNK = 1 << 20
+# What reading a truncated or corrupt archive raises (tarfile's own errors, a compressed stream's).
+DAMAGED_ARCHIVE = (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError)
 
 
 def _write_mode(path: Path) -> str:
@@ -183,7 +187,10 @@ def import_entry(root: str | Path | None, archive: str | Path, signing_key: byte
     except (OSError, tarfile.TarError) as e:
         raise CompileCacheError(f"cannot import {archive}: not a readable tar file ({e})") from None
     with tar:
-        key, files, members = _check_archive(tar, archive, signing_key)
+        try:
+            key, files, members = _check_archive(tar, archive, signing_key)
+        except (*DAMAGED_ARCHIVE, OSError) as e:  # a download cut short: refuse it in one line, like any other damage
+            raise CompileCacheError(f"cannot import {archive}: the archive is truncated or damaged ({e})") from None
         cache = CompileCache(root, key, {}, signing_key)
         try:
             cache.root.mkdir(parents=True, exist_ok=True)
@@ -200,8 +207,13 @@ def import_entry(root: str | Path | None, archive: str | Path, signing_key: byte
                     digest, size = _digest(tar.extractfile(members[rel]), sink)
                 if rel in files and (size, digest) != (files[rel]["bytes"], files[rel]["sha256"]):
                     raise CompileCacheError(f"cannot import {archive}: {key}/{rel} changed while it was read")
-                os.utime(dest, (members[rel].mtime, members[rel].mtime))
+                try:
+                    os.utime(dest, (members[rel].mtime, members[rel].mtime))
+                except (OverflowError, ValueError):
+                    pass  # a time no file can have (a hand-made archive): the file keeps now
             return key, _install(cache, staging)
+        except DAMAGED_ARCHIVE as e:
+            raise CompileCacheError(f"cannot import {archive}: the archive is truncated or damaged ({e})") from None
         except OSError as e:  # two members that cannot both be (a file and a folder of one name), a full disk
             raise CompileCacheError(f"cannot import {archive} into {cache.root}: {e.strerror} ({e.filename})") from None
         finally:
