@@ -73,11 +73,19 @@ def detect_content_format(chat_template: str | None) -> ChatTemplateContentForma
     return "string"
 
 
-def resolve_content_format(option: str, chat_template: str | None) -> ChatTemplateContentFormat:
-    """The format for `option` with this template (`auto`: as the template reads content)."""
+def resolve_content_format(option: str, chat_template: str | dict[str, str] | None) -> ChatTemplateContentFormat:
+    """The format for `option` with this template (`auto`: as the template reads content). A
+    tokenizer whose tokenizer_config.json lists named templates ("default", "tool_use") has a dict
+    for its `chat_template`, and transformers picks one per call: `openai` if any of them loops over
+    content."""
     if option not in CONTENT_FORMATS:
         raise ValueError(f"chat_template_content_format must be one of {', '.join(CONTENT_FORMATS)}, got {option!r}.")
-    return detect_content_format(chat_template) if option == "auto" else option  # type: ignore[return-value]
+    if option != "auto":
+        return option  # type: ignore[return-value]
+    if isinstance(chat_template, dict):
+        formats = {detect_content_format(t) for t in chat_template.values() if isinstance(t, str)}
+        return "openai" if "openai" in formats else "string"
+    return detect_content_format(chat_template)
 
 
 def text_parts(content: Any) -> list[str]:

@@ -79,3 +79,20 @@ def test_offline_chat_uses_the_given_template(tiny_llama):
         "user: Hi\nassistant: !\n"  # the call's own, content as a string
     assert llm.chat(conversation, params, use_tqdm=False, chat_template="{{ messages | length }}{{ x }}",
                     chat_template_kwargs={"x": "!"})[0].prompt == "2!"
+
+
+def test_named_templates_of_a_tokenizer_resolve(tmp_path):
+    """A tokenizer_config.json listing named templates gives transformers a dict `chat_template`
+    (it picks "default" or "tool_use" per call): auto must read them, not fail on every chat request."""
+    from tokenizers import Tokenizer, models
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    saved = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, "<unk>")))
+    saved.chat_template = {"default": "{{ messages[0]['content'] }}", "tool_use": "T{{ messages[0]['content'] }}"}
+    saved.save_pretrained(tmp_path)
+    template = AutoTokenizer.from_pretrained(tmp_path).chat_template
+    assert isinstance(template, dict)
+    assert resolve_content_format("auto", template) == "string"
+    looping = {**template, "tool_use": "{% for p in messages[0]['content'] %}{{ p['text'] }}{% endfor %}"}
+    assert resolve_content_format("auto", looping) == "openai"
+    assert resolve_content_format("string", looping) == "string"
