@@ -21,7 +21,7 @@ async def invoke(raw_request: Request, handlers: list[tuple[type[pydantic.BaseMo
     naming the request types when none does."""
     try:
         body = json.loads(await raw_request.body())
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # RecursionError: nested deeper than the decoder goes
         raise OpenAIError(f"JSON decode error: {e}") from e
     for model, handler in handlers:
         try:
