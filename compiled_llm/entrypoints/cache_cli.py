@@ -175,7 +175,11 @@ def entry_row(root: Path, key: str, signing_key: bytes | None, full: bool) -> En
     status = "damaged" if damages else ("complete" if cache.complete else "unfinished")
     if damages and (in_use or damages[0].cause.startswith("is missing: the entry is unfinished")):
         status = "unfinished"  # a start may be filling it right now
-    return EntryRow(key, status, describe_model(cache), describe_flags(cache.factors), cache.size(),
+    try:  # factors.json and about.json are for display only, not vouched for: a foreign one may be any JSON
+        model, flags = describe_model(cache), describe_flags(cache.factors)
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError):
+        model, flags = "?", "? (factors.json is not one a start writes)"
+    return EntryRow(key, status, model, flags, cache.size(),
                     _when(cache.created), _when(cache.last_used), cache.signed, in_use,
                     [str(d) for d in damages], cache.factors)
 
