@@ -91,8 +91,10 @@ def export_entry(cache: CompileCache, out: str | Path) -> int:
                                             f"(run `compiled-llm cache verify {key}`)")
                 tar.addfile(_member(f"{key}/{rel}", len(data), mtime), io.BytesIO(data))
         os.replace(tmp, out)
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):  # a folder given as the file, no permission, a full disk: one line
+            raise CompileCacheError(f"cannot write {out}: {e.strerror or e}") from None
         raise
     return len(files)
 

@@ -1,6 +1,6 @@
 """`compiled-llm cache import` of an archive cut short (an interrupted CI artifact download) or
-carrying a time no file can have: one line and exit 1 (or, for the time, an import), no traceback
-and nothing written. Built by hand: no engine, no precompile."""
+carrying a time no file can have, and `cache export` to a path it cannot write: one line and exit 1
+(or, for the time, an import), no traceback and nothing written. Built by hand: no engine."""
 
 from __future__ import annotations
 
@@ -48,3 +48,14 @@ def test_a_member_time_no_file_can_have_is_ignored(tmp_path, capsys, mtime):
     assert main(["cache", "import", str(good), "--compile-cache", str(tmp_path / "root")]) == 0
     assert (tmp_path / "root" / KEY / "artifacts" / "a.bin").read_bytes() == DATA
     assert main(["cache", "verify", "--compile-cache", str(tmp_path / "root")]) == 0
+
+
+def test_export_to_a_folder_is_one_line_and_leaves_nothing(tmp_path, capsys):
+    root = tmp_path / "root"
+    assert main(["cache", "import", str(archive(tmp_path / "entry.tar")), "--compile-cache", str(root)]) == 0
+    folder = tmp_path / "out"
+    folder.mkdir()
+    status = main(["cache", "export", KEY, "-o", str(folder), "--compile-cache", str(root)])
+    err = capsys.readouterr().err
+    assert status == 1 and f"cannot write {folder}" in err and err.count("\n") == 1, err
+    assert list(folder.iterdir()) == [] and not list(tmp_path.glob(".out.*"))
