@@ -365,12 +365,15 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 0
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
+    # No drafts in a step where more requests than this are running: at large batches a decode step
+    # is no longer bound by reading the weights, and verifying guesses costs compute (None: always).
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config: unknown method {self.method!r}; known: "
                              f"{', '.join(SPECULATIVE_METHODS)}.")
-        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"speculative_config: {name} must be an integer >= 1, got {value!r}.")
@@ -394,7 +397,7 @@ class SpeculativeConfig:
             return spec
         if not isinstance(spec, dict):
             raise ValueError(f"speculative_config must be a JSON object (a dict), got {type(spec).__name__}.")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"}
         unknown = sorted(set(spec) - known)
         if unknown:
             raise ValueError(f"speculative_config: unknown field(s) {', '.join(unknown)}; known: "

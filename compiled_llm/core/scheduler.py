@@ -160,6 +160,9 @@ class Scheduler:
     def _schedule_running(self, plan: _StepPlan) -> None:
         """Give each running request, in order, its next tokens within the budget, preempting
         others (or at last itself) when its blocks do not fit."""
+        spec = self.speculative_config
+        speculates = spec is not None and (spec.disable_by_batch_size is None
+                                           or len(self.running) <= spec.disable_by_batch_size)
         for request in list(self.running):
             if plan.token_budget <= 0:
                 break
@@ -169,7 +172,7 @@ class Scheduler:
             num_new = min(computable, plan.token_budget)
             if num_new <= 0:
                 continue
-            drafts = self._propose(request, plan.token_budget) if computable == 1 else []
+            drafts = self._propose(request, plan.token_budget) if speculates and computable == 1 else []
             # Drafts take free blocks only: rather than preempt anyone for them, the request decodes one token.
             new_blocks = self.kv.allocate_slots(request, num_new + len(drafts)) if drafts else None
             if new_blocks is not None:

@@ -130,3 +130,15 @@ def test_drafts_never_preempt_anyone():
     out, _ = step(s)
     assert out.num_scheduled_tokens == {"a": 1} and not out.scheduled_spec_decode_tokens
     assert s.num_preemptions == 0
+
+
+def test_no_drafts_while_more_requests_run_than_disable_by_batch_size():
+    s = Scheduler(SchedulerConfig(4, 64, 64), CacheConfig(block_size=BLOCK), 64,
+                  SpeculativeConfig("ngram", 3, 1, 3, disable_by_batch_size=1))
+    add(s, "long", [5, 6, 7, 5, 6], max_tokens=12)
+    add(s, "short", [8, 9, 8, 9], max_tokens=3)
+    both, alone = [], []
+    while s.has_unfinished_requests():
+        out, _ = step(s, next_token=lambda rid: 6 if rid == "long" else 8)
+        (both if len(out.num_scheduled_tokens) == 2 else alone).append(bool(out.scheduled_spec_decode_tokens))
+    assert both and not any(both) and any(alone)

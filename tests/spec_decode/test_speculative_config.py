@@ -28,6 +28,7 @@ def test_vllm_spelling_and_defaults():
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      "prompt_lookup_min"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "lookahead"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
 ])
 def test_bad_values_name_the_field(spec, field):
     with pytest.raises(ValueError, match=field):
