@@ -18,7 +18,7 @@ from typing import Iterator
 def import_statements(text: str) -> Iterator[str]:
     """The import statements of a source file, each as one line of text. Parsing only these (not the
     whole file) keeps the key quick to compute at every start. A docstring line that reads like an
-    import may come along: it can only add a file, never lose one."""
+    import may come along; where it does not parse, the caller reads the whole file's tree instead."""
     lines = text.splitlines()
     i = 0
     while i < len(lines):
@@ -39,8 +39,10 @@ def _module_names(text: str, package: str) -> set[str]:
     for statement in import_statements(text):
         try:
             nodes.extend(ast.parse(statement).body)
-        except SyntaxError:
-            continue  # prose in a docstring
+        except SyntaxError:  # prose in a docstring, which may have swallowed real imports after it:
+            tree = ast.parse(text)  # read this file's imports from its whole syntax tree instead
+            nodes = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+            break
     for node in nodes:
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)

@@ -53,3 +53,14 @@ def test_sources_are_named_by_module_so_a_miss_can_say_which_changed(tmp_path):
     outside = tmp_path / "model_file.py"
     outside.write_text("x = 1\n")
     assert source_digests([outside]) == {"model_file.py": source_digests([outside])["model_file.py"]}
+
+
+def test_a_docstring_that_swallows_lines_does_not_hide_the_imports_after_it(tmp_path):
+    """A docstring line reading like an import with an open bracket makes the line reader join the
+    lines after it into one unparsable statement: the file's imports then come from its whole tree."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "root.py").write_text('"""\nfrom here import the rest (of the story\n"""\nimport pkg.hidden\n')
+    (pkg / "hidden.py").write_text("")
+    closure = import_closure(SourceTree({"pkg": pkg}), [pkg / "root.py"], leaves=set())
+    assert {p.relative_to(pkg).as_posix() for p in closure} == {"root.py", "hidden.py"}
