@@ -140,7 +140,8 @@ class EngineArgs(CliArgs):
         "float32; with --quantization gguf, its shipped Q4_1 file).")})
     served_model_name: str | None = setting(None, "The model's name in the API (default: the folder's or file's "
                                                   "name).")
-    dtype: str = setting("auto", "auto: bf16 on a CPU with native bf16 (AMX or avx512_bf16), else float32; on a "
+    dtype: str = setting("auto", "auto: on a CPU with AMX bf16; with avx512_bf16 but no AMX, bf16 weights "
+                                 "under float32 activations (fp16_storage: faster there); else float32; on a "
                                  "GPU the checkpoint's. The choice and its reason are logged at start-up.",
                          choices=["auto", "float32", "bfloat16", "float16"])
     quantization: str | None = setting(
@@ -152,7 +153,7 @@ class EngineArgs(CliArgs):
         "elsewhere). Default: the checkpoint's weights as they are.",
         short="-q", choices=QUANTIZATION_NAMES)
     quantization_options: dict | None = setting(
-        None, 'The method\'s options as JSON, e.g. \'{"group_size": 32}\' for int4 (32, 64 or 128; default 128).',
+        None, 'The method\'s options as JSON, e.g. \'{"group_size": 32}\' for int4 (32, 64 or 128; default 32).',
         parse=json.loads)
     device: str | None = setting(None, "cpu or cuda (default: cuda when available).")
     seed: int = setting(0, "Seed of the engine's random state.")

@@ -53,7 +53,7 @@ def test_fused_layer_computes_with_the_quantized_parts(name, options, kernel, mo
     from compiled_llm.kernels.cpu_extension import cpu_kernels_available
 
     assert (layer.packed_weight is not None) == (kernel and cpu_kernels_available())
-    quantize = ref.quantize_int8 if name == "int8" else lambda w: ref.quantize_int4(w, options.get("group_size", 128))
+    quantize = ref.quantize_int8 if name == "int8" else lambda w: ref.quantize_int4(w, options.get("group_size", 32))
     expected_weight = torch.cat([ref.dequantize(quantize(p)) for p in parts])
     x = torch.randn(5, 256, generator=g)
     torch.testing.assert_close(layer(x), F.linear(x, expected_weight, layer.bias), rtol=1e-4, atol=1e-3)
