@@ -145,14 +145,14 @@ def ratio(a, b) -> str:
 
 
 def print_table(rows: list[tuple[str, str, dict]], bandwidth: float) -> None:
-    print(f"{'format':<7}{'engine':<34}" + "".join(f"{h:>17}" for _, h, _, _ in FIGURES) + f"{'vs llama.cpp':>36}")
+    print(f"{'format':<7}{'engine':<34}" + "".join(f"{h:>17}" for _, h, _, _ in FIGURES) + "  vs llama.cpp")
     for kind, label, r in rows:
         cells = [(fmt.format(r[k]) if r.get(k) is not None else "-") for k, _, fmt, _ in FIGURES]
         peer = r.get("peer")
         vs = "" if peer is None else (f"decode {ratio(r.get('decode_tok_s'), peer.get('decode_tok_s'))}, "
                                       f"TTFT {ratio(r.get('ttft_ms'), peer.get('ttft_ms'))}, "
                                       f"32-req {ratio(r.get('output_tok_s'), peer.get('output_tok_s'))}")
-        print(f"{kind:<7}{label:<34}" + "".join(f"{c:>17}" for c in cells) + f"{vs:>36}")
+        print(f"{kind:<7}{label:<34}" + "".join(f"{c:>17}" for c in cells) + f"  {vs}")
     print(f"(eff. GB/s: the bytes a batch-1 decode step reads / its time; the machine reads {bandwidth:.1f} GB/s. "
           "Ratios: ours / llama.cpp on the same file, or on the file of the same bits; TTFT lower is better)")
 
