@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from compiled_llm.kernels import quantized_reference as ref
 from compiled_llm.models.layers.linear import MergedLinear
 from compiled_llm.quantization import get_quantization_config
+from compiled_llm.quantization.int4 import DEFAULT_GROUP_SIZE
 from compiled_llm.quantization.weight_only import WeightOnlyLinearMethod
 from tests.models.test_hf_parity import PROMPTS
 from tests.oracle import check_close
@@ -53,7 +54,8 @@ def test_fused_layer_computes_with_the_quantized_parts(name, options, kernel, mo
     from compiled_llm.kernels.cpu_extension import cpu_kernels_available
 
     assert (layer.packed_weight is not None) == (kernel and cpu_kernels_available())
-    quantize = ref.quantize_int8 if name == "int8" else lambda w: ref.quantize_int4(w, options.get("group_size", 32))
+    group = options.get("group_size", DEFAULT_GROUP_SIZE)
+    quantize = ref.quantize_int8 if name == "int8" else lambda w: ref.quantize_int4(w, group)
     expected_weight = torch.cat([ref.dequantize(quantize(p)) for p in parts])
     x = torch.randn(5, 256, generator=g)
     torch.testing.assert_close(layer(x), F.linear(x, expected_weight, layer.bias), rtol=1e-4, atol=1e-3)
@@ -99,7 +101,7 @@ def _with_weights_as_quantized(model: str, out: Path, quantize) -> str:
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_tiny_random_model_computes_with_the_weights_its_format_stands_for(tiny_model_factory, tmp_path, method):
     model = tiny_model_factory("llama-biased")
-    quantize = ref.quantize_int8 if method == "int8" else ref.quantize_int4
+    quantize = ref.quantize_int8 if method == "int8" else lambda w: ref.quantize_int4(w, DEFAULT_GROUP_SIZE)
     as_quantized = _with_weights_as_quantized(model, tmp_path / "as-quantized", quantize)
     exact = check_close(greedy(model, method), greedy(as_quantized, None), method, "float32 on its weights")
     assert exact >= len(PROMPTS) - 1
