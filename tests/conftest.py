@@ -117,11 +117,13 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def warm_compile_cache(real_model_path) -> dict:
-    """Runs `compiled-llm precompile` for the bundled model with default settings, as CI does
-    before the tests (then it only loads): starts with those settings are warm afterwards."""
+    """Runs `compiled-llm precompile` for the bundled model's float32 folder (`real_model_path`, which
+    the tests name) with default settings: starts with those settings are warm afterwards. (CI's own
+    precompile warms the default, the shipped GGUF file, as `compiled-llm serve` uses it.)"""
     import json
     import subprocess
 
-    out = subprocess.run(["compiled-llm", "precompile", "--json"], capture_output=True, text=True, timeout=900)
+    out = subprocess.run(["compiled-llm", "precompile", real_model_path, "--json"], capture_output=True, text=True,
+                         timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])

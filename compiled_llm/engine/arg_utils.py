@@ -136,8 +136,9 @@ class CliArgs:
 @dataclass
 class EngineArgs(CliArgs):
     model: str | None = field(default=None, metadata={"positional": True, "help": (
-        "Hugging Face model folder or .gguf file (default: the bundled SmolLM2-135M-Instruct, converted to "
-        "float32; with --quantization gguf, its shipped Q4_1 file).")})
+        "Hugging Face model folder or .gguf file (default: the bundled SmolLM2-135M-Instruct: on a CPU its "
+        "shipped Q4_1 file, served as it ships; on a GPU, or with a --quantization that quantizes float "
+        "weights, its float32 conversion).")})
     served_model_name: str | None = setting(None, "The model's name in the API (default: the folder's or file's "
                                                   "name).")
     dtype: str = setting("auto", "auto: on a CPU with AMX bf16; with avx512_bf16 but no AMX, bf16 weights "
@@ -229,7 +230,7 @@ class EngineArgs(CliArgs):
         if model is None:
             from compiled_llm.bundled_model import BUNDLED_MODEL_NAME, bundled_gguf_path, bundled_model_path
 
-            model = str(bundled_gguf_path() if self.quantization == GGUF else bundled_model_path())
+            model = str(bundled_gguf_path() if self._serves_bundled_file(device) else bundled_model_path())
             name = name or BUNDLED_MODEL_NAME
         model_config = ModelConfig.from_folder(
             model, self.dtype, device, self.max_model_len, name, self.seed, self.max_logprobs, self.load_format,
@@ -275,6 +276,15 @@ class EngineArgs(CliArgs):
             ),
             speculative_config=speculative_config,
         )
+
+    def _serves_bundled_file(self, device) -> bool:
+        """Whether the bundled model is served from its shipped GGUF file rather than its float32
+        conversion: on a CPU, where the file's Q4_1 blocks decode faster than float32 weights and
+        start without a conversion (the same weights: Q4_1 de-quantizes exactly), unless another
+        method is asked for; on a GPU only when asked (the GGUF kernels there are Triton's)."""
+        if self.quantization is not None:
+            return self.quantization == GGUF
+        return device.type == "cpu"
 
     def _cpu_threads_per_rank(self) -> int:
         """The machine's threads shared out over every rank of every engine."""
