@@ -46,39 +46,43 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
   for (int64_t t = 0; t < tokens; t++) {  // a few KB a token: one thread keeps up
     const int64_t slot = slots[t];
     if (slot < 0) continue;  // a padded token
+    TORCH_CHECK((slot + 1) * row <= key_cache.numel() && (slot + 1) * row <= value_cache.numel(), "slot ", slot,
+                " is outside the KV cache");
     std::memcpy(kc + slot * row, k + t * ks, row * sizeof(float));
     std::memcpy(vc + slot * row, v + t * vs, row * sizeof(float));
   }
 }
 
-// Decode attention for one request over KV heads [h0, h1): `group` query heads per KV head.
-// The cache is walked block by block (each block's rows hold every KV head, contiguously), so
-// memory is read sequentially once per phase. Scores take four positions at a time
-// (independent accumulators, one batched reduction); values are summed per block into
-// per-head accumulators.
+// Decode attention of one request's query heads for KV heads [h0, h1) over context positions
+// [p0, p1) (p0 a multiple of block_size). `out` holds the rows of those query heads, D floats
+// apart. The cache is walked block by block (each block's rows hold every KV head, contiguously),
+// each block once for every query head it serves, so memory is read sequentially once per phase.
+// Scores take four positions at a time (independent accumulators, one batched reduction); values
+// are summed per block into per-head accumulators.
 template <int D>
-void decode_request(const float* q_req, float* out_req, const float* kc, const float* vc, const int32_t* table,
-                    int64_t len, int64_t h0, int64_t h1, int64_t group, int64_t block_size, int64_t block_stride,
-                    int64_t token_stride, float scale, std::vector<float>& scores) {
+void decode_range(const float* q_req, float* out, const float* kc, const float* vc, const int32_t* table,
+                  int64_t p0, int64_t p1, int64_t h0, int64_t h1, int64_t group, int64_t block_size,
+                  int64_t block_stride, int64_t token_stride, float scale, float* stat, std::vector<float>& scores) {
   const int64_t rows = (h1 - h0) * group;  // query heads handled here
+  const int64_t len = p1 - p0;
   scores.resize(static_cast<size_t>(rows * len));
-  const int64_t num_blocks = (len + block_size - 1) / block_size;
+  const int64_t b0 = p0 / block_size, b1 = (p1 + block_size - 1) / block_size;
   // Blocks sit anywhere in the pool and hardware prefetchers stop at page boundaries: fetch the
-  // next block's rows (this request's heads only) while working on the current one.
+  // next block's rows (this item's heads only) while working on the current one.
   auto prefetch_block = [&](const float* cache, int64_t b) {
-    if (b >= num_blocks) return;
+    if (b >= b1) return;
     const char* base = reinterpret_cast<const char*>(cache + table[b] * block_stride + h0 * D);
     const int64_t bytes = (h1 - h0) * D * static_cast<int64_t>(sizeof(float));
-    const int64_t n = std::min(block_size, len - b * block_size);
+    const int64_t n = std::min(block_size, p1 - b * block_size);
     for (int64_t i = 0; i < n; i++)
       for (int64_t off = 0; off < bytes; off += 64)
         __builtin_prefetch(base + i * token_stride * static_cast<int64_t>(sizeof(float)) + off);
   };
-  prefetch_block(kc, 0);
+  prefetch_block(kc, b0);
   // Scores.
-  for (int64_t b = 0; b < num_blocks; b++) {
+  for (int64_t b = b0; b < b1; b++) {
     const float* kb = kc + table[b] * block_stride;
-    const int64_t first = b * block_size, n = std::min(block_size, len - first);
+    const int64_t first = b * block_size - p0, n = std::min(block_size, p1 - b * block_size);
     prefetch_block(kc, b + 1);
     for (int64_t h = h0; h < h1; h++) {
       for (int64_t g = 0; g < group; g++) {
@@ -106,77 +110,238 @@ void decode_request(const float* q_req, float* out_req, const float* kc, const f
       }
     }
   }
-  // Softmax per query head (normalised at the end).
-  float denom[256];
+  // Softmax numerators per query head (normalised at the end, or by the merge).
+  float denom[256], row_max[256];
   for (int64_t row = 0; row < rows; row++) {
     float* s = scores.data() + row * len;
-    float row_max = -INFINITY;
-    for (int64_t p = 0; p < len; p++) row_max = std::max(row_max, s[p]);
-    for (int64_t p = 0; p < len; p++) s[p] -= row_max;
-    exp_inplace(s, len);
-    float sum = 0.f;
-    for (int64_t p = 0; p < len; p++) sum += s[p];
-    denom[row] = sum;
+    row_max[row] = max_of(s, len);
+    denom[row] = exp_sum_inplace(s, len, row_max[row]);
   }
   // Weighted values, accumulated into the output rows block by block.
-  for (int64_t row = 0; row < rows; row++) std::fill(out_req + (h0 * group + row) * D, out_req + (h0 * group + row + 1) * D, 0.f);
-  prefetch_block(vc, 0);
-  for (int64_t b = 0; b < num_blocks; b++) {
+  std::fill(out, out + rows * D, 0.f);
+  prefetch_block(vc, b0);
+  for (int64_t b = b0; b < b1; b++) {
     const float* vb = vc + table[b] * block_stride;
-    const int64_t first = b * block_size, n = std::min(block_size, len - first);
+    const int64_t first = b * block_size - p0, n = std::min(block_size, p1 - b * block_size);
     prefetch_block(vc, b + 1);
     for (int64_t h = h0; h < h1; h++) {
       for (int64_t g = 0; g < group; g++) {
         const int64_t row = (h - h0) * group + g;
         const float* w = scores.data() + row * len + first;
-        float* out = out_req + (h * group + g) * D;
+        float* o = out + row * D;
 #if defined(__AVX2__) && defined(__FMA__)
         __m256 acc[D / 8];
-        for (int j = 0; j < D / 8; j++) acc[j] = _mm256_loadu_ps(out + 8 * j);
+        for (int j = 0; j < D / 8; j++) acc[j] = _mm256_loadu_ps(o + 8 * j);
         for (int64_t i = 0; i < n; i++) {
           const float* v = vb + i * token_stride + h * D;
           const __m256 wi = _mm256_set1_ps(w[i]);
           for (int j = 0; j < D / 8; j++) acc[j] = _mm256_fmadd_ps(wi, _mm256_loadu_ps(v + 8 * j), acc[j]);
         }
-        for (int j = 0; j < D / 8; j++) _mm256_storeu_ps(out + 8 * j, acc[j]);
+        for (int j = 0; j < D / 8; j++) _mm256_storeu_ps(o + 8 * j, acc[j]);
 #else
-        for (int64_t i = 0; i < n; i++) axpy(out, w[i], vb + i * token_stride + h * D, D);
+        for (int64_t i = 0; i < n; i++) axpy(o, w[i], vb + i * token_stride + h * D, D);
 #endif
       }
     }
   }
+  if (stat != nullptr) {  // a part of a split context: the merge normalises
+    for (int64_t row = 0; row < rows; row++) {
+      stat[2 * row] = row_max[row];
+      stat[2 * row + 1] = denom[row];
+    }
+    return;
+  }
   for (int64_t row = 0; row < rows; row++) {
-    float* out = out_req + (h0 * group + row) * D;
     const float inv = 1.f / denom[row];
-    for (int64_t d = 0; d < D; d++) out[d] *= inv;
+    for (int64_t d = 0; d < D; d++) out[row * D + d] *= inv;
   }
 }
 
-// Any head_dim (the slow path): scalar-friendly loops.
-void decode_one_any(const float* q_rows, float* out_rows, const float* kc, const float* vc, const int32_t* table,
-                    int64_t len, int64_t group, int64_t head_dim, int64_t block_size, int64_t block_stride,
-                    int64_t token_stride, float scale, std::vector<float>& scores) {
+// Any head_dim (the slow path), one KV head: scalar-friendly loops, unnormalised into `out` with
+// each row's max and sum in `stat` when that is given.
+void decode_range_any(const float* q_rows, float* out_rows, const float* kc, const float* vc, const int32_t* table,
+                      int64_t p0, int64_t p1, int64_t group, int64_t head_dim, int64_t block_size,
+                      int64_t block_stride, int64_t token_stride, float scale, float* stat,
+                      std::vector<float>& scores) {
+  const int64_t len = p1 - p0;
   scores.resize(static_cast<size_t>(len));
   for (int64_t g = 0; g < group; g++) {
     const float* q = q_rows + g * head_dim;
     float* out = out_rows + g * head_dim;
-    float row_max = -INFINITY;
-    for (int64_t p = 0; p < len; p++) {
+    for (int64_t p = p0; p < p1; p++) {
       const float* k = kc + table[p / block_size] * block_stride + (p % block_size) * token_stride;
-      scores[p] = dot(q, k, head_dim) * scale;
-      row_max = std::max(row_max, scores[p]);
+      scores[p - p0] = dot(q, k, head_dim) * scale;
     }
-    for (int64_t p = 0; p < len; p++) scores[p] -= row_max;
-    exp_inplace(scores.data(), len);
-    float denom = 0.f;
+    const float row_max = max_of(scores.data(), len);
+    const float denom = exp_sum_inplace(scores.data(), len, row_max);
     std::fill(out, out + head_dim, 0.f);
-    for (int64_t p = 0; p < len; p++) {
-      denom += scores[p];
-      axpy(out, scores[p], vc + table[p / block_size] * block_stride + (p % block_size) * token_stride, head_dim);
+    for (int64_t p = p0; p < p1; p++)
+      axpy(out, scores[p - p0], vc + table[p / block_size] * block_stride + (p % block_size) * token_stride, head_dim);
+    if (stat != nullptr) {
+      stat[2 * g] = row_max;
+      stat[2 * g + 1] = denom;
+    } else {
+      for (int64_t d = 0; d < head_dim; d++) out[d] /= denom;
     }
-    for (int64_t d = 0; d < head_dim; d++) out[d] /= denom;
   }
 }
+
+// One work item: request r's KV heads [h0, h1) over positions [p0, p1); `part` >= 0 indexes its
+// slot in the partial buffers (a split context), -1 writes the output directly.
+struct Item {
+  int64_t r, h0, h1, p0, p1, part;
+};
+
+constexpr int64_t kMaxSplits = 16;  // position ranges of one context at most
+
+}  // namespace
+
+namespace compiled_llm_cpu {
+
+void decode_attention(float* out, int64_t out_stride, const float* query, int64_t query_stride,
+                      const float* key_cache, const float* value_cache, const int32_t* block_tables,
+                      int64_t table_stride, const int32_t* seq_lens, int64_t num_reqs, int64_t num_heads,
+                      int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale) {
+  if (num_reqs <= 0) return;
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t block_stride = block_size * num_kv_heads * head_dim, token_stride = num_kv_heads * head_dim;
+  const int threads = at::get_num_threads();
+  int64_t total_positions = 0;
+  for (int64_t r = 0; r < num_reqs; r++) total_positions += std::max<int32_t>(seq_lens[r], 0);
+  const int64_t total_work = total_positions * num_heads * head_dim;  // multiply-adds per phase
+
+  // Work items: whole requests when there are enough of them to keep the threads busy (each
+  // request's cache blocks are then read once, sequentially); otherwise (request, KV head), and
+  // when even those are fewer than two per thread, each context cut into block-aligned position
+  // ranges (flash-decoding), so that one request's 3 KV heads spread evenly over 2 threads. Work
+  // under about 2^17 multiply-adds (a batch-1 context of ~200 for SmolLM2) stays on the calling
+  // thread, whole: there a pool hand-off and the merge cost about what a second thread saves.
+  constexpr int64_t kChunkWork = int64_t{1} << 16, kParallelWork = int64_t{1} << 17;
+  thread_local std::vector<Item> items;
+  items.clear();
+  int64_t parts = 0;
+  const bool parallel = threads > 1 && total_work >= kParallelWork;
+  const bool per_head = parallel && num_reqs < 2 * threads;
+  const bool split = per_head && num_reqs * num_kv_heads < 2 * threads;
+  if (!per_head) {
+    for (int64_t r = 0; r < num_reqs; r++) items.push_back({r, 0, num_kv_heads, 0, seq_lens[r], -1});
+  } else {
+    // Ranges of about an even share of two items a thread, at most kMaxSplits a context.
+    constexpr int64_t kMinRange = 32;
+    const int64_t range = std::max<int64_t>(kMinRange, total_positions * num_kv_heads / (2 * threads));
+    for (int64_t r = 0; r < num_reqs; r++) {
+      const int64_t len = seq_lens[r];
+      const int64_t splits = split && len > 0 ? std::min(kMaxSplits, (len + range - 1) / range) : 1;
+      // Equal, block-aligned ranges.
+      const int64_t step = ((len + splits - 1) / splits + block_size - 1) / block_size * block_size;
+      for (int64_t h = 0; h < num_kv_heads; h++) {
+        if (splits == 1 || step >= len) {
+          items.push_back({r, h, h + 1, 0, len, -1});
+          continue;
+        }
+        for (int64_t p = 0; p < len; p += step) items.push_back({r, h, h + 1, p, std::min(len, p + step), parts++});
+      }
+    }
+  }
+  // Partial results of split contexts: [parts, group, D] accumulators, [parts, group, 2] stats.
+  thread_local std::vector<float> partial;
+  partial.resize(static_cast<size_t>(parts * group * (head_dim + 2)));
+  float* part_acc = partial.data();
+  float* part_stat = part_acc + parts * group * head_dim;
+
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  // Chunks of items of about kChunkWork multiply-adds; where contexts were split, one chunk a
+  // thread of about equal work: the pool hands chunks out in order, so each thread mostly gets
+  // the same positions every step and finds them in its own cache when they fit there.
+  thread_local std::vector<int64_t> bounds;
+  bounds.assign(1, 0);
+  if (split) {
+    int64_t cost = 0, total_cost = 0;
+    for (const Item& it : items) total_cost += it.p1 - it.p0;
+    for (int64_t i = 0; i + 1 < num_items; i++) {
+      cost += items[i].p1 - items[i].p0;
+      if (cost * threads >= total_cost * static_cast<int64_t>(bounds.size())) bounds.push_back(i + 1);
+    }
+  } else if (parallel) {
+    const int64_t grain = std::max<int64_t>(1, kChunkWork * num_items / std::max<int64_t>(total_work, 1));
+    for (int64_t b = grain; b < num_items; b += grain) bounds.push_back(b);
+  }
+  bounds.push_back(num_items);
+  const int64_t chunks = static_cast<int64_t>(bounds.size()) - 1;
+  const Item* item_list = items.data();
+  const int64_t* chunk_bounds = bounds.data();
+  parallel_chunks(chunks, [&](int64_t chunk) {
+    thread_local std::vector<float> scores;
+    const int64_t begin = chunk_bounds[chunk], end = chunk_bounds[chunk + 1];
+    for (int64_t i = begin; i < end; i++) {
+      const Item& it = item_list[i];
+      const float* q_req = query + it.r * query_stride;
+      float* dst = it.part >= 0 ? part_acc + it.part * group * head_dim : out + it.r * out_stride + it.h0 * group * head_dim;
+      float* stat = it.part >= 0 ? part_stat + it.part * group * 2 : nullptr;
+      if (it.p1 <= 0) {  // a padded request
+        std::fill(dst, dst + (it.h1 - it.h0) * group * head_dim, 0.f);
+        continue;
+      }
+      const int32_t* table = block_tables + it.r * table_stride;
+      switch (head_dim) {
+        case 64:
+          decode_range<64>(q_req, dst, key_cache, value_cache, table, it.p0, it.p1, it.h0, it.h1, group, block_size,
+                           block_stride, token_stride, scale, stat, scores);
+          break;
+        case 128:
+          decode_range<128>(q_req, dst, key_cache, value_cache, table, it.p0, it.p1, it.h0, it.h1, group, block_size,
+                            block_stride, token_stride, scale, stat, scores);
+          break;
+        case 32:
+          decode_range<32>(q_req, dst, key_cache, value_cache, table, it.p0, it.p1, it.h0, it.h1, group, block_size,
+                           block_stride, token_stride, scale, stat, scores);
+          break;
+        default:
+          for (int64_t h = it.h0; h < it.h1; h++) {
+            decode_range_any(q_req + h * group * head_dim, dst + (h - it.h0) * group * head_dim,
+                             key_cache + h * head_dim, value_cache + h * head_dim, table, it.p0, it.p1, group,
+                             head_dim, block_size, block_stride, token_stride, scale, stat, scores);
+          }
+      }
+    }
+  });
+  if (parts == 0) return;
+  // Merge the parts of each split (request, KV head): consecutive items with consecutive parts.
+  for (int64_t i = 0; i < num_items;) {
+    if (item_list[i].part < 0) {
+      i++;
+      continue;
+    }
+    int64_t j = i;
+    while (j < num_items && item_list[j].part >= 0 && item_list[j].r == item_list[i].r &&
+           item_list[j].h0 == item_list[i].h0)
+      j++;
+    const int64_t first = item_list[i].part, n = j - i;
+    float* o = out + item_list[i].r * out_stride + item_list[i].h0 * group * head_dim;
+    for (int64_t g = 0; g < group; g++) {
+      float m = -INFINITY;
+      for (int64_t k = 0; k < n; k++) m = std::max(m, part_stat[((first + k) * group + g) * 2]);
+      float denom = 0.f, weight[kMaxSplits];
+      for (int64_t k = 0; k < n; k++) {
+        const float* st = part_stat + ((first + k) * group + g) * 2;
+        weight[k] = std::exp(st[0] - m);
+        denom += weight[k] * st[1];
+      }
+      const float inv = 1.f / denom;
+      float* dst = o + g * head_dim;
+      for (int64_t d = 0; d < head_dim; d++) {
+        float sum = 0.f;
+        for (int64_t k = 0; k < n; k++) sum += weight[k] * part_acc[((first + k) * group + g) * head_dim + d];
+        dst[d] = sum * inv;
+      }
+    }
+    i = j;
+  }
+}
+
+}  // namespace compiled_llm_cpu
+
+namespace {
 
 void paged_decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_tables,
@@ -190,64 +355,22 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& query, const at::
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
   TORCH_CHECK(group * num_kv_heads == num_heads, "num_heads must be a multiple of num_kv_heads");
-  const float* q = query.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  const float* kc = key_cache.data_ptr<float>();
-  const float* vc = value_cache.data_ptr<float>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int64_t qs = query.stride(0), os = out.stride(0), ts = block_tables.stride(0);
-  const int64_t block_stride = block_size * num_kv_heads * head_dim, token_stride = num_kv_heads * head_dim;
-  const float fscale = static_cast<float>(scale);
   TORCH_CHECK((block_size & (block_size - 1)) == 0, "block_size must be a power of two");
-
   TORCH_CHECK(num_heads <= 256, "at most 256 query heads");
-
-  // Work items: whole requests when there are enough of them to keep the threads busy (each
-  // request's cache blocks are then read once, sequentially); otherwise (request, KV head).
-  const bool split_heads = num_reqs < 2 * at::get_num_threads();
-  const int64_t per_req = split_heads ? num_kv_heads : 1;
-  const int64_t work_items = num_reqs * per_req;
-  int64_t total_positions = 0;
-  for (int64_t r = 0; r < num_reqs; r++) total_positions += std::max<int32_t>(lens[r], 0);
-  // Chunks of work items of about 2^16 multiply-adds: a batch-1 decode over a short context is
-  // one chunk (on the calling thread), a long one is split over the threads.
-  const int64_t cost_per_item = std::max<int64_t>(1, total_positions * num_heads * head_dim / std::max<int64_t>(work_items, 1));
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / cost_per_item);
-
-  const int64_t chunks = (work_items + grain - 1) / grain;
-  parallel_chunks(chunks, [&](int64_t chunk) {
-    thread_local std::vector<float> scores;
-    const int64_t begin = chunk * grain, end = std::min(work_items, begin + grain);
-    for (int64_t work = begin; work < end; work++) {
-      const int64_t r = work / per_req;
-      const int64_t h0 = split_heads ? work % per_req : 0, h1 = split_heads ? h0 + 1 : num_kv_heads;
-      const int64_t len = lens[r];
-      const float* q_req = q + r * qs;
-      float* out_req = o + r * os;
-      if (len <= 0) {  // a padded request
-        std::fill(out_req + h0 * group * head_dim, out_req + h1 * group * head_dim, 0.f);
-        continue;
-      }
-      const int32_t* table = tables + r * ts;
-      switch (head_dim) {
-        case 64:
-          decode_request<64>(q_req, out_req, kc, vc, table, len, h0, h1, group, block_size, block_stride, token_stride, fscale, scores);
-          break;
-        case 128:
-          decode_request<128>(q_req, out_req, kc, vc, table, len, h0, h1, group, block_size, block_stride, token_stride, fscale, scores);
-          break;
-        case 32:
-          decode_request<32>(q_req, out_req, kc, vc, table, len, h0, h1, group, block_size, block_stride, token_stride, fscale, scores);
-          break;
-        default:
-          for (int64_t h = h0; h < h1; h++) {
-            decode_one_any(q_req + h * group * head_dim, out_req + h * group * head_dim, kc + h * head_dim, vc + h * head_dim,
-                           table, len, group, head_dim, block_size, block_stride, token_stride, fscale, scores);
-          }
-      }
-    }
-  });
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.size(3) == head_dim && value_cache.sizes() == key_cache.sizes(),
+              "the caches must be [blocks, block_size, kv_heads, head_dim] with the query's head_dim");
+  TORCH_CHECK(out.size(1) == num_heads && out.size(2) == head_dim && out.size(0) >= num_reqs &&
+                  query.size(0) >= num_reqs && block_tables.dim() == 2 && block_tables.size(0) >= num_reqs &&
+                  block_tables.stride(1) == 1 && seq_lens.dim() == 1 && seq_lens.stride(0) == 1,
+              "out, query, block_tables and seq_lens must cover the requests");
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  for (int64_t r = 0; r < num_reqs; r++)
+    TORCH_CHECK(lens[r] <= block_tables.size(1) * block_size, "a request's context is longer than its block table");
+  compiled_llm_cpu::decode_attention(out.data_ptr<float>(), out.stride(0), query.data_ptr<float>(), query.stride(0),
+                                     key_cache.data_ptr<float>(), value_cache.data_ptr<float>(),
+                                     block_tables.data_ptr<int32_t>(), block_tables.stride(0),
+                                     lens, num_reqs, num_heads, num_kv_heads, head_dim,
+                                     block_size, static_cast<float>(scale));
 }
 
 }  // namespace

@@ -118,6 +118,39 @@ def test_prefill_kernel_matches_reference(requests, heads, head_dim, block_size,
     torch.testing.assert_close(out[first:], ref[first:], rtol=1e-5, atol=1e-5)
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    contexts=st.lists(st.integers(0, 700), min_size=1, max_size=3),
+    heads=st.sampled_from([(9, 3), (4, 4), (8, 1), (6, 2)]),
+    head_dim=st.sampled_from([64, 32, 128, 24]),
+    block_size=st.sampled_from([8, 16, 32]),
+    threads=st.sampled_from([1, 2, 3, 4]),
+    step=st.booleans(),
+)
+def test_few_decodes_split_over_threads_match_reference(contexts, heads, head_dim, block_size, threads, step):
+    """Batches of 1-3 decodes, whose contexts the decode kernel cuts into position ranges spread
+    over the threads (merged after), through the decode op and through the one-call step."""
+    q, k, v, cache, meta = make_batch([1] * len(contexts), contexts, *heads, head_dim, block_size)
+    q *= 10  # the parts' maxima differ: the merge must rescale them
+    ref_cache = cache.clone()
+    write_kv_cache(k, v, ref_cache, meta.slot_mapping, reference=True)
+    ref = paged_attention(q, k, v, ref_cache, meta, 0.125, reference=True)
+    out = torch.full_like(q, float("nan"))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        if step:
+            attention(q, k, v, out, cache, meta, 0.125)
+        else:
+            write_kv_cache(k, v, cache, meta.slot_mapping)
+            torch.ops.compiled_llm_cpu.paged_decode_attention(out, q, cache[0], cache[1], meta.block_tables,
+                                                              meta.seq_lens, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(cache, ref_cache)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_prefill_through_paged_attention_and_long_prompt():
     q, k, v, cache, meta = make_batch([1, 300, 45], [20, 0, 500], 9, 3, 64, 16)
     write_kv_cache(k, v, cache, meta.slot_mapping)
