@@ -133,6 +133,11 @@ class CliArgs:
         return cls(**{k: v for k, v in vars(args).items() if k in names})
 
 
+# `--quantization none`: the checkpoint's weights as they are, stated (the bundled model's float32
+# conversion is then one flag away from its default, the shipped GGUF file).
+NO_QUANTIZATION = "none"
+
+
 @dataclass
 class EngineArgs(CliArgs):
     model: str | None = field(default=None, metadata={"positional": True, "help": (
@@ -151,8 +156,9 @@ class EngineArgs(CliArgs):
         "CPU without native compute for it); gguf (a GGUF file's Q8_0/Q4_0/Q4_1 blocks served as they ship: "
         "chosen by itself for a .gguf MODEL); fp8 (e4m3 weights with per-channel scales, quantized at load; "
         "per-token activation scales and torch._scaled_mm on GPUs of compute capability >= 8.9, weight-only "
-        "elsewhere). Default: the checkpoint's weights as they are.",
-        short="-q", choices=QUANTIZATION_NAMES)
+        "elsewhere). none: the checkpoint's weights as they are (with no MODEL: the bundled model's float32 "
+        "conversion). Default: the checkpoint's weights as they are (with no MODEL on a CPU: gguf).",
+        short="-q", choices=(*QUANTIZATION_NAMES, NO_QUANTIZATION))
     quantization_options: dict | None = setting(
         None, 'The method\'s options as JSON, e.g. \'{"group_size": 32}\' for int4 (32, 64 or 128; default 32).',
         parse=json.loads)
@@ -234,7 +240,7 @@ class EngineArgs(CliArgs):
             name = name or BUNDLED_MODEL_NAME
         model_config = ModelConfig.from_folder(
             model, self.dtype, device, self.max_model_len, name, self.seed, self.max_logprobs, self.load_format,
-            self.quantization, self.quantization_options,
+            self._quantization(), self.quantization_options,
         )
         default_seqs, default_tokens = SchedulerConfig.default_limits(device.type)
         max_num_seqs = self.max_num_seqs or default_seqs
@@ -285,6 +291,9 @@ class EngineArgs(CliArgs):
         if self.quantization is not None:
             return self.quantization == GGUF
         return device.type == "cpu"
+
+    def _quantization(self) -> str | None:
+        return None if self.quantization == NO_QUANTIZATION else self.quantization
 
     def _cpu_threads_per_rank(self) -> int:
         """The machine's threads shared out over every rank of every engine."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -73,6 +75,7 @@ def test_auto_dtype_is_float32_for_the_methods_whose_cpu_gemm_takes_float32(tiny
     does not take: every step would de-quantize whole weights instead (measured here: 1.8 tok/s at
     batch 1 against 144 for the same bits with float32 activations)."""
     monkeypatch.setenv("COMPILED_LLM_CPU_AUTO_DTYPE", "bfloat16")
+    monkeypatch.setattr("compiled_llm.config.cpu_native_bf16", lambda: "amx_bf16")  # bf16 as it is, on any CPU
     assert _config(tiny_llama).model_config.dtype == torch.bfloat16
     mc = _config(tiny_llama, quantization=method).model_config
     assert (mc.dtype, mc.quantization) == (torch.float32, method)
@@ -92,3 +95,14 @@ def test_auto_on_avx512_bf16_without_amx_stores_bf16_under_float32_activations(t
     monkeypatch.setattr("compiled_llm.config.cpu_native_bf16", lambda: "amx_bf16")
     mc = _config(tiny_llama).model_config
     assert (mc.dtype, mc.quantization) == (torch.bfloat16, None)
+
+
+def test_the_bundled_model_is_served_from_its_shipped_file_on_a_cpu_and_its_conversion_is_one_flag_away():
+    shipped = EngineArgs(device="cpu", max_model_len=512).create_engine_config().model_config
+    assert shipped.quantization == "gguf" and shipped.model.endswith("Q4_1.gguf")
+    assert shipped.served_model_name == "SmolLM2-135M-Instruct" and shipped.dtype == torch.float32
+    converted = EngineArgs(device="cpu", max_model_len=512, quantization="none").create_engine_config().model_config
+    assert converted.quantization is None and (Path(converted.model) / "config.json").is_file()
+    int8 = EngineArgs(device="cpu", max_model_len=512, quantization="int8").create_engine_config().model_config
+    assert int8.quantization == "int8" and int8.model == converted.model  # quantized from the float32 folder
+    assert build_parser().parse_args(["serve", "-q", "none"]).quantization == "none"
