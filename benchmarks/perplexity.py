@@ -7,7 +7,7 @@ perplexity = exp(mean of -log p(token | the window's tokens before it)). Both en
 same token ids: ours through prompt log probabilities (`SamplingParams(prompt_logprobs=0,
 max_tokens=0)`, the log probability of each prompt token), llama.cpp through its logits at every
 position (peer_llama_cpp.py). The float32 path (the shipped Q4_1 file de-quantized once into
-float32, the folder `compiled-llm` serves by default) is the reference each row is compared with.
+float32: the folder `compiled-llm serve -q none` serves) is the reference each row is compared with.
 
     python benchmarks/perplexity.py                       # F32, F16, Q8_0, Q4_1, int8, int4
     python benchmarks/perplexity.py --formats Q4_1 --windows 4
