@@ -76,7 +76,7 @@ def main() -> None:
         rows.append((label, math.exp(nll / count)))
         print(f"  {label}: perplexity {rows[-1][1]:.4f}", flush=True)
 
-    add("ours float32 (the default folder)", *ours_nll(hf_folder, windows, args.threads, dtype="float32"))
+    add("ours float32 (the -q none folder)", *ours_nll(hf_folder, windows, args.threads, dtype="float32"))
     missing = peer_llama_cpp.missing_reason()
     for kind in [k for k in args.formats.split(",") if k]:
         path = gguf_file(kind)
