@@ -17,7 +17,7 @@ import json
 import types
 import typing
 from dataclasses import MISSING, Field, dataclass, field, fields
-from typing import Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from compiled_llm.compilation.config import CompilationConfig, CUDAGraphMode
 from compiled_llm.config import (
@@ -35,6 +35,9 @@ from compiled_llm.config import (
 )
 from compiled_llm.logger import init_logger
 from compiled_llm.utils import default_device
+
+if TYPE_CHECKING:
+    import torch
 
 logger = init_logger(__name__)
 
@@ -283,7 +286,7 @@ class EngineArgs(CliArgs):
             speculative_config=speculative_config,
         )
 
-    def _serves_bundled_file(self, device) -> bool:
+    def _serves_bundled_file(self, device: torch.device) -> bool:
         """Whether the bundled model is served from its shipped GGUF file rather than its float32
         conversion: on a CPU, where the file's Q4_1 blocks decode faster than float32 weights and
         start without a conversion (the same weights: Q4_1 de-quantizes exactly), unless another
