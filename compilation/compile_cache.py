@@ -675,6 +675,13 @@ class CompileCache:
             atomic_write_bytes(self.entry / ABOUT_FILE, json.dumps(about, indent=2, sort_keys=True).encode())
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.entry / "inductor")
         os.environ["TRITON_CACHE_DIR"] = str(self.entry / "triton")
+        # Inductor keeps the kernels it built in memory, keyed by their source: compiling the same
+        # kernels again for this entry would take them from there and write no shared library here,
+        # and every warm start from the entry would then rebuild them (12 s of C++ compiles on a
+        # 2-core machine). Models already compiled keep the libraries they hold.
+        from torch._inductor.utils import clear_caches
+
+        clear_caches()
 
     @property
     def artifacts_dir(self) -> Path:

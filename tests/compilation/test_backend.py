@@ -188,3 +188,19 @@ def test_two_processes_filling_one_cache_leave_it_valid(tmp_path):
     assert a["num_inductor_compilations"] + b["num_inductor_compilations"] == 3  # one waited and loaded
     warm, _ = run_fresh(tmp_path, strict=True)
     assert warm["num_inductor_compilations"] == 0 and warm["num_artifacts_loaded"] == 3
+
+
+def test_an_entry_compiled_after_another_in_one_process_holds_its_own_libraries(tmp_path):
+    """Inductor keeps built kernels in memory by their source: without clearing that, a second
+    entry compiled in the same process got no shared libraries and every warm start from it
+    rebuilt them (12 s of C++ compiles for the bundled model on 2 cores)."""
+    compile_toy(str(tmp_path / "first"), sizes=[4])
+    compile_toy(str(tmp_path / "second"), sizes=[4])
+    for root in ("first", "second"):
+        (entry,) = [p for p in (tmp_path / root).iterdir() if p.is_dir()]
+        listed = json.loads((entry / "index.json").read_text())["files"]
+        libraries = [rel for rel in listed if rel.endswith(".so")]
+        sources = [rel for rel in listed if rel.endswith(".main.cpp")]
+        assert sources and len(libraries) == len(sources), (root, sorted(listed))
+    warm, err = run_fresh(tmp_path / "second", sizes=[4], strict=True)
+    assert warm["num_inductor_compilations"] == 0 and warm["max_error"] < 1e-5
