@@ -34,7 +34,8 @@
 //   group's scales and mins held in registers) and used by every row of the block, as the fp32
 //   micro-kernel uses its loaded weights: a few operations per weight vector, shared by up to 12
 //   rows.
-// A call with at most `few_rows` rows takes the first, any other the second.
+// A call with at most `few_rows` rows takes the first, and so does one of up to twice as many
+// (in blocks; see quantized_gemm); any other the second.
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -268,10 +269,15 @@ void quantized_gemm(const float* x, int64_t xs, int64_t M, const uint8_t* packed
   constexpr int64_t NR = NV * lanes<V>();
   const int64_t groups = group_count(K, G), panels = (N + NR - 1) / NR;
   const int64_t stride = panel_bytes(NR, Bits, sizeof(S), K, G);
-  const bool few = M <= few_rows<V>();
+  // Up to twice few_rows rows (a speculative verification's 1 + k) still take the few-row kernel,
+  // in blocks over a panel that stays in L1: per weight one conversion per block and one FMA per
+  // row, where the many-row kernel adds a de-quantizing FMA per block (5 rows on AVX2: 3 + 2 few
+  // rows ran 13.5 ms a pass of the bundled model's linears, 4 + 1 many rows 17.2). Exactly
+  // many_rows rows are one many-row block.
+  const bool few = M <= few_rows<V>() || (M != many_rows<V>() && M <= 2 * few_rows<V>());
   std::vector<float> xsum;
   if (few && Bits == 4) xsum = group_sums<V>(x, xs, M, K, G);
-  constexpr int R = many_rows<V>();
+  const int R = few ? few_rows<V>() : many_rows<V>();
   parallel_panels(M, K, panels, stride, kItemBytes, R, [&](int64_t m0, int64_t m1, int64_t p) {
     const uint8_t* panel = packed + p * stride;
     const int64_t n0 = p * NR, cols = std::min(NR, N - n0);
