@@ -354,7 +354,7 @@ class ParallelConfig:
             )
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 @dataclass
@@ -366,6 +366,10 @@ class SpeculativeConfig:
     `prompt_lookup_max` down to `prompt_lookup_min`), then verified in one forward. Nothing here
     changes the compiled graph (a verification is more query tokens, like a prompt chunk), so it is
     not part of the compile-cache key.
+
+    `draft_model`: a smaller `model` (a folder or .gguf file) with the target's vocabulary proposes
+    them, greedily, from its own paged KV cache (worker/draft_proposer.py); it is compiled into its
+    own compile-cache entry. `draft_model_config` is resolved from `model` by the engine's arguments.
     """
 
     method: str = "ngram"
@@ -375,15 +379,27 @@ class SpeculativeConfig:
     # No drafts in a step where more requests than this are running: at large batches a decode step
     # is no longer bound by reading the weights, and verifying guesses costs compute (None: always).
     disable_by_batch_size: int | None = None
+    model: str | None = None  # draft_model: the draft's folder or .gguf file
+    quantization: str | None = None  # draft_model: the draft's weight format (None: as its checkpoint has it)
+    draft_model_config: ModelConfig | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config: unknown method {self.method!r}; known: "
                              f"{', '.join(SPECULATIVE_METHODS)}.")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config: method draft_model needs model (the draft's folder or .gguf file).")
+        if self.method != "draft_model" and (self.model is not None or self.quantization is not None):
+            raise ValueError(f"speculative_config: model and quantization are draft_model's fields, not "
+                             f"{self.method}'s.")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"speculative_config: {name} must be an integer >= 1, got {value!r}.")
+        if self.method != "ngram":
+            if self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
+                raise ValueError(f"speculative_config: prompt_lookup_min/max are ngram's fields, not {self.method}'s.")
+            return
         # vLLM's defaults: one bound gives the other; neither gives 5 and 5.
         if self.prompt_lookup_min is None and self.prompt_lookup_max is None:
             self.prompt_lookup_min = self.prompt_lookup_max = 5
@@ -404,11 +420,14 @@ class SpeculativeConfig:
             return spec
         if not isinstance(spec, dict):
             raise ValueError(f"speculative_config must be a JSON object (a dict), got {type(spec).__name__}.")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size",
+                 "model", "quantization"}
         unknown = sorted(set(spec) - known)
         if unknown:
             raise ValueError(f"speculative_config: unknown field(s) {', '.join(unknown)}; known: "
                              f"{', '.join(sorted(known))}.")
+        if "method" not in spec and spec.get("model"):  # vLLM: a model alone means a draft model
+            spec = {**spec, "method": "draft_model"}
         if "method" not in spec:
             raise ValueError("speculative_config: method is required (e.g. \"ngram\").")
         if spec.get("num_speculative_tokens") is None:

@@ -60,9 +60,10 @@ class EngineCore:
         logger.info("Engine core ready in %.2f s.", self.startup_seconds)
         spec = config.speculative_config
         if spec is not None:
-            logger.info("Speculative decoding: %s, %d tokens per step, n-grams of %d to %d tokens; the acceptance "
-                        "rate is logged every %d s.", spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min,
-                        spec.prompt_lookup_max, _SPEC_LOG_SECONDS)
+            source = (f"n-grams of {spec.prompt_lookup_min} to {spec.prompt_lookup_max} tokens"
+                      if spec.method == "ngram" else f"draft model {spec.model}")
+            logger.info("Speculative decoding: %s, %d tokens per step, %s; the acceptance rate is logged every %d s.",
+                        spec.method, spec.num_speculative_tokens, source, _SPEC_LOG_SECONDS)
         self._spec_logged = (time.monotonic(), 0, 0, 0)  # when, and the totals (drafts, proposed, accepted) then
 
     def check_request(self, request: EngineCoreRequest) -> None:

@@ -203,6 +203,8 @@ class Scheduler:
             room = min(room, request.max_tokens - request.num_output_tokens - 1)
         if room <= 0:
             return []
+        if spec.method == "draft_model":  # placeholders: the runner's draft model fills them in
+            return [0] * room
         if request.ngram is None:
             assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
             request.ngram = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max, request.all_token_ids)

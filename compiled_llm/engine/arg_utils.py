@@ -181,8 +181,10 @@ class EngineArgs(CliArgs):
         group=ADVANCED)
     speculative_config: dict | None = setting(
         None, 'Speculative decoding as JSON, vLLM\'s spelling: \'{"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' (proposals from the request\'s own prompt and output, '
-        'verified in one forward; exact for greedy and sampling). Runs with synchronous scheduling.',
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' (proposals from the request\'s own prompt and output) '
+        'or \'{"method": "draft_model", "model": DRAFT, "num_speculative_tokens": 4}\' (a smaller model with the '
+        'same tokenizer proposes); verified in one forward, exact for greedy and sampling. Runs with '
+        'synchronous scheduling.',
         parse=json.loads)
     block_size: int = setting(CacheConfig.block_size, "Tokens per KV-cache block.")
     enable_prefix_caching: bool = setting(CacheConfig.enable_prefix_caching, "Reuse the KV cache of shared prefixes.")
@@ -245,6 +247,8 @@ class EngineArgs(CliArgs):
             model, self.dtype, device, self.max_model_len, name, self.seed, self.max_logprobs, self.load_format,
             self._quantization(), self.quantization_options,
         )
+        if speculative_config is not None and speculative_config.method == "draft_model":
+            speculative_config.draft_model_config = self._draft_model_config(speculative_config, model_config, device)
         default_seqs, default_tokens = SchedulerConfig.default_limits(device.type)
         max_num_seqs = self.max_num_seqs or default_seqs
         max_num_batched_tokens = self.max_num_batched_tokens or max(default_tokens, max_num_seqs)
@@ -285,6 +289,19 @@ class EngineArgs(CliArgs):
             ),
             speculative_config=speculative_config,
         )
+
+    def _draft_model_config(self, spec: SpeculativeConfig, target: ModelConfig, device: torch.device) -> ModelConfig:
+        """The draft model's config: the target's dtype setting and length, its own weight format;
+        it must share the target's vocabulary (its proposals are the target's token ids)."""
+        assert spec.model is not None
+        if self.tensor_parallel_size > 1:
+            raise ValueError("speculative_config: method draft_model runs with tensor_parallel_size 1 only.")
+        draft = ModelConfig.from_folder(spec.model, self.dtype, device, target.max_model_len, seed=self.seed,
+                                        quantization=spec.quantization)
+        if draft.vocab_size != target.vocab_size:
+            raise ValueError(f"speculative_config: the draft model {spec.model} has a vocabulary of {draft.vocab_size} "
+                             f"tokens, the target {target.vocab_size}: a draft must share the target's tokenizer.")
+        return draft
 
     def _serves_bundled_file(self, device: torch.device) -> bool:
         """Whether the bundled model is served from its shipped GGUF file rather than its float32

@@ -17,8 +17,9 @@ from compiled_llm.kernels.cpu_extension import uses_cpu_kernels
 from compiled_llm.quantization import get_quantization_config
 
 
-def engine_cache_factors(config: EngineConfig, rank: int) -> dict[str, Any]:
-    """The factors of the entry tensor-parallel `rank` of an engine with these settings uses."""
+def engine_cache_factors(config: EngineConfig, rank: int, role: str | None = None) -> dict[str, Any]:
+    """The factors of the entry tensor-parallel `rank` of an engine with these settings uses.
+    `role`: "draft" for a speculative draft model (its own entry, even where it is the target's model)."""
     mc = config.model_config
     factors = compute_factors(
         hf_config=mc.hf_config,
@@ -33,13 +34,15 @@ def engine_cache_factors(config: EngineConfig, rank: int) -> dict[str, Any]:
     quant_config = get_quantization_config(mc.quantization, mc)
     if quant_config is not None:  # the weight format: the method and its parameters (the graph calls its ops)
         factors["quantization"] = quant_config.cache_factors()
+    if role is not None:
+        factors["role"] = role
     return factors
 
 
-def engine_compile_cache(config: EngineConfig, rank: int) -> CompileCache:
+def engine_compile_cache(config: EngineConfig, rank: int, role: str | None = None) -> CompileCache:
     """The compile cache entry `rank` reads and fills (a bad signing key file raises here)."""
     compilation = config.compilation_config
-    factors = engine_cache_factors(config, rank)
+    factors = engine_cache_factors(config, rank, role)
     key_file = compilation.cache_signing_key_file
     signing_key = read_signing_key(key_file) if key_file else None
     about = {"model": config.model_config.model}  # shown by `cache list`; not a factor (weights are not)

@@ -49,9 +49,11 @@ def gpu_kv_budget(cache_config: CacheConfig, peak_bytes: int, step_tokens: int, 
     return budget
 
 
-def num_blocks_for(budget: int, model_config: ModelConfig, block_size: int, num_kv_heads: int | None = None) -> int:
-    """Blocks in `budget` bytes; an error naming the fix when one full-length sequence won't fit."""
-    per_block = kv_bytes_per_block(model_config, block_size, num_kv_heads)
+def num_blocks_for(budget: int, model_config: ModelConfig, block_size: int, num_kv_heads: int | None = None,
+                   extra_bytes_per_block: int = 0) -> int:
+    """Blocks in `budget` bytes; an error naming the fix when one full-length sequence won't fit.
+    `extra_bytes_per_block`: what each block also takes elsewhere (a draft model's cache)."""
+    per_block = kv_bytes_per_block(model_config, block_size, num_kv_heads) + extra_bytes_per_block
     max_blocks_per_req = cdiv(model_config.max_model_len, block_size)
     num_blocks = int(budget // per_block)
     if num_blocks - 1 < max_blocks_per_req:

@@ -34,6 +34,7 @@ from compiled_llm.utils import cdiv
 from compiled_llm.worker import kv_cache_sizing
 from compiled_llm.worker.cache_factors import engine_compile_cache
 from compiled_llm.worker.compile_and_capture import capture_cudagraphs, compile_model, compile_summary
+from compiled_llm.worker.draft_proposer import DraftModelProposer
 from compiled_llm.worker.grammar_bitmask import apply_grammar_bitmask
 from compiled_llm.worker.input_batch import InputBatch
 from compiled_llm.worker.prompt_logprobs import PromptLogprobsComputer, PromptLogprobsTensors, PromptSegment
@@ -80,8 +81,11 @@ class ModelRunner:
         self.inputs = StepInputs(self.max_num_tokens, self.max_num_reqs, max_blocks_per_req, self.block_size,
                                  self.device)
         self.sampler = Sampler()
-        self.speculative_config = config.speculative_config
+        self.speculative_config = spec = config.speculative_config
         self.rejection_sampler = RejectionSampler(self.sampler)
+        self.drafter: DraftModelProposer | None = None
+        if spec is not None and spec.method == "draft_model":
+            self.drafter = DraftModelProposer(config, rows, max_blocks_per_req)
         self.prompt_logprobs = PromptLogprobsComputer(lambda hidden: self.model.compute_logits(hidden))
         self.num_grammar_bitmasks = 0  # steps whose logits a grammar bitmask constrained
         self.kv_caches: list[torch.Tensor] = []
@@ -109,7 +113,10 @@ class ModelRunner:
             budget = kv_cache_sizing.cpu_kv_budget(
                 self.config.model_config, self.block_size, self.max_num_reqs, self.num_kv_heads
             )
-        return kv_cache_sizing.num_blocks_for(budget, self.config.model_config, self.block_size, self.num_kv_heads)
+        # A draft model's cache has the same blocks: the budget holds both.
+        draft_bytes = self.drafter.kv_bytes_per_block() if self.drafter is not None else 0
+        return kv_cache_sizing.num_blocks_for(budget, self.config.model_config, self.block_size, self.num_kv_heads,
+                                              draft_bytes)
 
     @torch.inference_mode()
     def profile_run(self) -> None:
@@ -145,6 +152,8 @@ class ModelRunner:
         self.kv_caches = list(kv.unbind(0))
         for layer, cache in zip(self.attention_layers, self.kv_caches):
             layer.kv_cache = cache
+        if self.drafter is not None:
+            self.drafter.initialize_kv_cache(num_blocks)
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB, %d tokens).",
             num_blocks, self.block_size, kv.numel() * kv.element_size() / (1 << 30), (num_blocks - 1) * self.block_size,
@@ -165,7 +174,9 @@ class ModelRunner:
                 batch.append_blocks(row, cached.new_block_ids)
             batch.num_computed_tokens[row] = cached.num_computed_tokens
         for new in out.scheduled_new_reqs:
-            batch.add(new)
+            row = batch.add(new)
+            if self.drafter is not None:
+                self.drafter.reset_row(row)
         if self.speculative_config is not None:
             batch.num_drafts.fill(0)
             for rid, drafts in out.scheduled_spec_decode_tokens.items():
@@ -203,6 +214,8 @@ class ModelRunner:
             mode, descriptor = self.dispatcher.dispatch(total, num_decodes == len(req_ids))
         padded_tokens = descriptor.num_tokens if descriptor is not None else total
         padded_reqs = descriptor.num_reqs if descriptor is not None and descriptor.num_reqs else len(req_ids)
+        if self.drafter is not None:  # its drafts replace the scheduler's placeholders
+            self.drafter.propose(batch, rows, num_sched)
         metadata, seq_lens = self.inputs.prepare(batch, rows, num_sched, num_decodes, padded_tokens, padded_reqs)
         self._feed_pending_tokens(rows, metadata.query_start_loc_cpu)
         with set_forward_context(metadata, mode, descriptor):
@@ -284,6 +297,8 @@ class ModelRunner:
         batch.sampling.record_sampled(sample_rows, result.tokens[:, 0].contiguous())
         tokens = result.tokens.cpu().numpy()
         num_out = batch.append_verified(sample_rows, tokens)
+        if self.drafter is not None:
+            self.drafter.verified(sample_rows, num_drafts, num_out)
         sampled_lists: list[list[int]] = [[] for _ in req_ids]
         for j, (i, n) in enumerate(zip(sample_idx.tolist(), num_out.tolist())):
             sampled_lists[i] = tokens[j, :n].tolist()
@@ -380,4 +395,10 @@ class ModelRunner:
             self.max_num_tokens,
         )
         self.model_forward = self.compiled_forward
-        return compile_summary(self.compiled_forward, rank)
+        summary = compile_summary(self.compiled_forward, rank)
+        if self.drafter is not None:  # its own entry; precompile counts its work with the target's
+            draft = self.drafter.compile()
+            for name in ("inductor_compilations", "artifacts_saved", "artifacts_loaded", "seconds"):
+                summary[name] = (summary[name] or 0) + (draft[name] or 0)
+            summary["draft_cache_dir"] = draft["cache_dir"]
+        return summary

@@ -42,17 +42,20 @@ class StepInputs:
         num_decodes: int,
         padded_tokens: int,
         padded_reqs: int,
+        computed: np.ndarray | None = None,
     ) -> tuple[AttentionMetadata, np.ndarray]:
         """Fill the buffers with the flat batch of `rows` (its `num_decodes` decodes first), padded
         to `padded_tokens` tokens and `padded_reqs` requests for a CUDA graph: padded tokens have
         slot -1 (no KV write), padded requests the null block, length 0 and the last offset.
         Returns the metadata (views of the buffers, sized to the padded batch) and the requests'
-        sequence lengths."""
+        sequence lengths. `computed`: where each row's tokens start (default: its computed tokens;
+        a draft model catching up starts earlier)."""
         self._wait_for_copies()
         num_reqs = len(rows)
         cu = np.cumsum(num_sched)
         total = int(cu[-1])
-        computed = batch.num_computed_tokens[rows]
+        if computed is None:
+            computed = batch.num_computed_tokens[rows]
         token_req = np.repeat(np.arange(num_reqs), num_sched)
         token_rows = rows[token_req]
         positions = computed[token_req] + self._arange[:total] - np.repeat(cu - num_sched, num_sched)

@@ -70,3 +70,36 @@ def test_warm_start_with_speculation_compiles_nothing(real_model_path, warm_comp
     del spec
     want = LLM(real_model_path, **kwargs).chat(chats, params, use_tqdm=False)[0].outputs[0].token_ids
     assert got == want
+
+
+@pytest.mark.slow
+def test_bundled_model_as_its_own_draft_warm_start_compiles_nothing_and_every_guess_holds():
+    """The draft-model method on the served default (the shipped Q4_1 file) with itself as the
+    draft: `precompile` with the speculative config fills the draft's own entry too, a strict warm
+    start then runs no Inductor compilation for either model, greedy gives the tokens it gives
+    without speculation, and every proposal is accepted."""
+    import json
+    import subprocess
+
+    from compiled_llm.bundled_model import bundled_gguf_path
+
+    draft = {"method": "draft_model", "model": str(bundled_gguf_path()), "num_speculative_tokens": 4}
+    settings = dict(max_model_len=1024, kv_cache_memory_bytes=128 << 20)
+    out = subprocess.run(["compiled-llm", "precompile", "--max-model-len", "1024", "--speculative-config",
+                          json.dumps(draft), "--json"], capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    spec = LLM(speculative_config=draft, require_cache_hit=True, **settings)
+    driver = spec.llm_engine.engine_core.executor.driver
+    assert driver.compiled_forward.report.inductor_compilations == 0
+    assert driver.drafter.forward.report.inductor_compilations == 0
+    chats = [[{"role": "user", "content": f"Copy this text exactly, word for word:\n\n{TEXT}"}],
+             [{"role": "user", "content": "Name a color."}]]
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    got = [o.outputs[0].token_ids for o in spec.chat(chats, params, use_tqdm=False)]
+    totals = spec.llm_engine.engine_core.scheduler.spec_totals
+    assert totals.num_draft_tokens >= 10 and totals.num_accepted_tokens == totals.num_draft_tokens
+    pool = spec.llm_engine.engine_core.scheduler.kv.pool
+    assert pool.num_free_blocks == pool.num_blocks - 1
+    del spec
+    want = [o.outputs[0].token_ids for o in LLM(**settings).chat(chats, params, use_tqdm=False)]
+    assert got == want

@@ -5,6 +5,7 @@ from a tiny model, the tokens at each output position are distributed alike with
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from scipy.stats import chi2_contingency
 
 from compiled_llm import LLM, SamplingParams
@@ -19,11 +20,15 @@ def sample(llm: LLM, prompt: list[int], **params) -> np.ndarray:
     return np.array([o.outputs[0].token_ids for o in llm.generate(prompts, many, use_tqdm=False)])
 
 
-def test_sampled_tokens_follow_the_same_distribution(small_vocab_llama):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_sampled_tokens_follow_the_same_distribution(small_vocab_llama, method):
+    """draft_model: the model is its own draft, proposing its greedy tokens."""
     kwargs = dict(optimization_level=0, max_model_len=128, kv_cache_memory_bytes=32 << 20, max_num_seqs=256)
     base = LLM(small_vocab_llama, **kwargs)
-    spec = LLM(small_vocab_llama, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                                      "prompt_lookup_min": 1, "prompt_lookup_max": 3}, **kwargs)
+    config = ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+              if method == "ngram"
+              else {"method": "draft_model", "model": small_vocab_llama, "num_speculative_tokens": 3})
+    spec = LLM(small_vocab_llama, speculative_config=config, **kwargs)
     # The model's own greedy text, which it tends to loop in: proposals from it are often accepted.
     greedy = base.generate([{"prompt_token_ids": SEED_PROMPT}], SamplingParams(max_tokens=40, temperature=0.0,
                                                                                ignore_eos=True), use_tqdm=False)

@@ -16,6 +16,8 @@ def test_vllm_spelling_and_defaults():
     assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (2, 2)
     spec = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2})
     assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (5, 5)
+    spec = SpeculativeConfig.from_dict({"model": "/drafts/small", "num_speculative_tokens": 3})  # vLLM: a draft
+    assert (spec.method, spec.model, spec.prompt_lookup_min) == ("draft_model", "/drafts/small", None)
 
 
 @pytest.mark.parametrize("spec, field", [
@@ -29,6 +31,9 @@ def test_vllm_spelling_and_defaults():
      "prompt_lookup_min"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "lookahead"),
     ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "needs model"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "/drafts/small"}, "draft_model's fields"),
+    ({"method": "draft_model", "model": "/d", "num_speculative_tokens": 2, "prompt_lookup_max": 3}, "ngram's fields"),
 ])
 def test_bad_values_name_the_field(spec, field):
     with pytest.raises(ValueError, match=field):

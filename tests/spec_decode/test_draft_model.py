@@ -1,0 +1,120 @@
+"""Draft-model speculative decoding end to end on tiny random models: greedy outputs are token for
+token those without it, whether the draft is the target itself (every proposal accepted) or another
+random model (few accepted), under preemption, prefix caching, n > 1 and aborts; the KV blocks are
+all free after; sampling keeps the target's distribution; a draft that cannot serve is refused
+with a message naming why."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from compiled_llm import LLM, SamplingParams
+from tests.spec_decode.test_ngram_e2e import REPEATING, assert_blocks_free, make_llm, steps, tokens
+
+OTHERS = [[3, 9, 1, 14, 2], [7] * 9, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2]]
+
+
+def draft_spec(model: str, k: int = 3) -> dict:
+    return {"method": "draft_model", "model": model, "num_speculative_tokens": k}
+
+
+@pytest.fixture(scope="module")
+def other_small_vocab_llama(tmp_path_factory, small_vocab_llama) -> str:
+    """Another random model with the same 16-token vocabulary: its guesses are mostly wrong."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import _tiny_config
+
+    out = tmp_path_factory.mktemp("tiny-llama-v16-other")
+    for path in Path(small_vocab_llama).iterdir():
+        if path.name.startswith("tokenizer") or path.name == "generation_config.json":
+            shutil.copy(path, out / path.name)
+    torch.manual_seed(1234)
+    AutoModelForCausalLM.from_config(_tiny_config("llama", 16), dtype=torch.float32).save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def base(small_vocab_llama) -> LLM:
+    return make_llm(small_vocab_llama, None)
+
+
+def test_the_target_as_its_own_draft_has_every_proposal_accepted(base, small_vocab_llama):
+    spec = make_llm(small_vocab_llama, draft_spec(small_vocab_llama))
+    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    before_base, before_spec = steps(base), steps(spec)
+    prompts = REPEATING + OTHERS
+    assert tokens(spec, prompts, params) == tokens(base, prompts, params)
+    totals = spec.llm_engine.engine_core.scheduler.spec_totals
+    assert totals.num_draft_tokens > 0 and totals.num_accepted_tokens == totals.num_draft_tokens
+    assert steps(spec) - before_spec < (steps(base) - before_base) / 2
+    assert_blocks_free(spec)
+
+
+def test_a_draft_that_guesses_wrong_still_gives_greedy_tokens(base, small_vocab_llama, other_small_vocab_llama):
+    spec = make_llm(small_vocab_llama, draft_spec(other_small_vocab_llama, k=4))
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    prompts = REPEATING + OTHERS
+    assert tokens(spec, prompts, params) == tokens(base, prompts, params)
+    totals = spec.llm_engine.engine_core.scheduler.spec_totals
+    assert totals.num_draft_tokens > 0 and totals.num_accepted_tokens < totals.num_draft_tokens
+    assert_blocks_free(spec)
+
+
+def test_preemption_prefix_caching_n_and_stops(base, small_vocab_llama, other_small_vocab_llama):
+    """A tight KV cache (preemptions resume requests whose draft KV must be rebuilt), prefix-cache
+    hits on blocks both models wrote, n > 1, stop tokens and max_tokens inside accepted runs."""
+    block_bytes = base.llm_engine.engine_core.executor.driver.kv_bytes_per_block()
+    tight = make_llm(small_vocab_llama, draft_spec(small_vocab_llama, k=4), block_size=8,
+                     kv_cache_memory_bytes=2 * block_bytes * 24)
+    params = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
+    prompts = REPEATING * 4
+    assert tokens(tight, prompts, params) == tokens(base, prompts, params)
+    assert tight.llm_engine.engine_core.scheduler.num_preemptions > 0
+    assert_blocks_free(tight)
+
+    cached = make_llm(small_vocab_llama, draft_spec(other_small_vocab_llama), block_size=4)
+    expected = tokens(base, REPEATING, params)
+    assert tokens(cached, REPEATING, params) == expected
+    longer = [p + out[:37] for p, out in zip(REPEATING, expected)]
+    outs = cached.generate([{"prompt_token_ids": p} for p in longer], params, use_tqdm=False)
+    assert all(o.num_cached_tokens >= 32 for o in outs)
+    assert [list(o.outputs[0].token_ids) for o in outs] == tokens(base, longer, params)
+
+    for params in (SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True, n=3),
+                   SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=[expected[0][9]]),
+                   SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True)):
+        assert tokens(tight, REPEATING, params) == tokens(base, REPEATING, params)
+    assert_blocks_free(cached)
+    assert_blocks_free(tight)
+
+
+def test_aborts_mid_flight_free_every_block(small_vocab_llama):
+    spec = make_llm(small_vocab_llama, draft_spec(small_vocab_llama))
+    engine = spec.llm_engine
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(REPEATING):
+        engine.add_request(f"abort-{i}", {"prompt_token_ids": prompt}, params)
+    for _ in range(5):
+        engine.step()
+    assert engine.engine_core.scheduler.spec_totals.num_drafts > 0
+    engine.abort_request([f"abort-{i}" for i in range(len(REPEATING))])
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_blocks_free(spec)
+    # The rows the aborted requests held serve new ones unchanged.
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    assert tokens(spec, OTHERS, params) == tokens(make_llm(small_vocab_llama, None), OTHERS, params)
+
+
+def test_a_draft_with_another_vocabulary_or_no_model_is_refused(small_vocab_llama, tiny_llama):
+    with pytest.raises(ValueError, match="vocabulary of .* tokens, the target 16"):
+        make_llm(small_vocab_llama, draft_spec(tiny_llama))
+    with pytest.raises(ValueError, match="needs model"):
+        make_llm(small_vocab_llama, {"method": "draft_model", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="tensor_parallel_size 1"):
+        make_llm(small_vocab_llama, draft_spec(small_vocab_llama), tensor_parallel_size=2)
