@@ -1,8 +1,11 @@
-// Paged attention kernels for CPUs: the KV-cache write and single-token (decode) attention.
+// Paged attention kernels for CPUs: the KV-cache write and decode attention, of requests with
+// one query token and of those with a few (a speculative verification, a tiny prefill chunk).
 //
 // They read the paged cache in place (no gather into a contiguous copy) and do a whole batch in
 // one call, which is what makes decode fast on a CPU: the torch path spends most of a decode
-// layer on gathers and per-op overhead. Prefills have their own kernel
+// layer on gathers and per-op overhead. A request with a few query tokens reads each cached row
+// once for all of them: through the prefill kernel's tiles and online softmax, 5 tokens over a
+// 900-token context cost about 7x a one-token decode. Longer prefills have their own kernel
 // (cpu_prefill_attention.cpp).
 //
 // Layouts: query/key/value [tokens, heads, head_dim] (head_dim contiguous); key_cache and
@@ -53,19 +56,61 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
   }
 }
 
-// Decode attention of one request's query heads for KV heads [h0, h1) over context positions
-// [p0, p1) (p0 a multiple of block_size). `out` holds the rows of those query heads, D floats
-// apart. The cache is walked block by block (each block's rows hold every KV head, contiguously),
-// each block once for every query head it serves, so memory is read sequentially once per phase.
-// Scores take four positions at a time (independent accumulators, one batched reduction); values
-// are summed per block into per-head accumulators.
+#if defined(__AVX2__) && defined(__FMA__)
+// Scores of R query rows (q[r], D floats) against keys kb + i * token_stride, i in [0, n), into
+// s[r][i]. Four keys at a time for all R rows: 4 R independent accumulators hide the FMA latency
+// (one row's four, as a one-token decode had, left the FMA units half idle) and each key vector
+// loaded serves R rows.
+template <int D, int R>
+inline void score_rows(const float* const* q, float* const* s, const float* kb, int64_t token_stride, int64_t n,
+                       float scale) {
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    const float* k0 = kb + i * token_stride;
+    const float *k1 = k0 + token_stride, *k2 = k1 + token_stride, *k3 = k2 + token_stride;
+    __m256 a[R][4];
+    for (int r = 0; r < R; r++)
+      for (int t = 0; t < 4; t++) a[r][t] = _mm256_setzero_ps();
+    for (int c = 0; c < D / 8; c++) {
+      const __m256 x0 = _mm256_loadu_ps(k0 + 8 * c), x1 = _mm256_loadu_ps(k1 + 8 * c),
+                   x2 = _mm256_loadu_ps(k2 + 8 * c), x3 = _mm256_loadu_ps(k3 + 8 * c);
+      for (int r = 0; r < R; r++) {
+        const __m256 qr = _mm256_loadu_ps(q[r] + 8 * c);
+        a[r][0] = _mm256_fmadd_ps(qr, x0, a[r][0]);
+        a[r][1] = _mm256_fmadd_ps(qr, x1, a[r][1]);
+        a[r][2] = _mm256_fmadd_ps(qr, x2, a[r][2]);
+        a[r][3] = _mm256_fmadd_ps(qr, x3, a[r][3]);
+      }
+    }
+    for (int r = 0; r < R; r++)
+      _mm_storeu_ps(s[r] + i, _mm_mul_ps(hsum4(a[r][0], a[r][1], a[r][2], a[r][3]), _mm_set1_ps(scale)));
+  }
+  for (; i < n; i++)
+    for (int r = 0; r < R; r++) s[r][i] = dot(q[r], kb + i * token_stride, D) * scale;
+}
+#endif
+
+// Decode attention of one request's query tokens (q_len of them, q_stride floats apart) for KV
+// heads [h0, h1) over context positions [p0, p1) (p0 a multiple of block_size). Query token j
+// sees positions below seq_len - q_len + j + 1 (causal). `out` holds, for each token
+// (out_stride apart), the rows of those query heads, D floats apart. The cache is walked block
+// by block (each block's rows hold every KV head, contiguously), each block used for every query
+// row it serves while it is in L1, so memory is read sequentially once per phase. Scores take
+// four positions at a time (independent accumulators, one batched reduction); values are summed
+// per block into per-row accumulators. Rows are ordered (token, head, head in the group).
 template <int D>
-void decode_range(const float* q_req, float* out, const float* kc, const float* vc, const int32_t* table,
-                  int64_t p0, int64_t p1, int64_t h0, int64_t h1, int64_t group, int64_t block_size,
-                  int64_t block_stride, int64_t token_stride, float scale, float* stat, std::vector<float>& scores) {
-  const int64_t rows = (h1 - h0) * group;  // query heads handled here
+void decode_range(const float* q_req, int64_t q_stride, float* out, int64_t out_stride, const float* kc,
+                  const float* vc, const int32_t* table, int64_t p0, int64_t p1, int64_t h0, int64_t h1, int64_t group,
+                  int64_t q_len, int64_t seq_len, int64_t block_size, int64_t block_stride, int64_t token_stride,
+                  float scale, float* stat, std::vector<float>& scores) {
+  const int64_t heads = (h1 - h0) * group;  // query heads handled here
+  const int64_t rows = heads * q_len;
   const int64_t len = p1 - p0;
-  scores.resize(static_cast<size_t>(rows * len));
+  scores.resize(static_cast<size_t>(rows * (len + 2)));
+  float* row_max = scores.data() + rows * len;
+  float* denom = row_max + rows;
+  // Positions token j sees (past p0): the causal limit, clipped to this range.
+  auto visible = [&](int64_t j) { return std::clamp<int64_t>(seq_len - q_len + j + 1 - p0, 0, len); };
   const int64_t b0 = p0 / block_size, b1 = (p1 + block_size - 1) / block_size;
   // Blocks sit anywhere in the pool and hardware prefetchers stop at page boundaries: fetch the
   // next block's rows (this item's heads only) while working on the current one.
@@ -78,69 +123,83 @@ void decode_range(const float* q_req, float* out, const float* kc, const float* 
       for (int64_t off = 0; off < bytes; off += 64)
         __builtin_prefetch(base + i * token_stride * static_cast<int64_t>(sizeof(float)) + off);
   };
+  // Each KV head's query rows, (token, head in the group) order: the pointers to them and to
+  // their scores.
+  const int64_t head_rows = q_len * group;
+  thread_local std::vector<const float*> q_ptr;
+  thread_local std::vector<float*> s_ptr;
+  q_ptr.resize(static_cast<size_t>(rows));
+  s_ptr.resize(static_cast<size_t>(rows));
+  for (int64_t h = h0; h < h1; h++)
+    for (int64_t j = 0; j < q_len; j++)
+      for (int64_t g = 0; g < group; g++) {
+        const int64_t i = (h - h0) * head_rows + j * group + g;
+        q_ptr[i] = q_req + j * q_stride + (h * group + g) * D;
+        s_ptr[i] = scores.data() + (j * heads + (h - h0) * group + g) * len;
+      }
   prefetch_block(kc, b0);
-  // Scores.
+  // Scores, of every position of the range for every row: those past a row's causal limit (the
+  // last q_len - 1 positions at most) are computed and left out of its softmax.
   for (int64_t b = b0; b < b1; b++) {
     const float* kb = kc + table[b] * block_stride;
-    const int64_t first = b * block_size - p0, n = std::min(block_size, p1 - b * block_size);
+    const int64_t pos = b * block_size, n = std::min(block_size, p1 - pos);
     prefetch_block(kc, b + 1);
     for (int64_t h = h0; h < h1; h++) {
-      for (int64_t g = 0; g < group; g++) {
-        const int64_t row = (h - h0) * group + g;
-        const float* q = q_req + (h * group + g) * D;
-        float* s = scores.data() + row * len + first;
-        int64_t i = 0;
+      const float* const* q = q_ptr.data() + (h - h0) * head_rows;
+      float* s[3];
+      for (int64_t r0 = 0; r0 < head_rows; r0 += 3) {
+        const int64_t count = std::min<int64_t>(3, head_rows - r0);
+        for (int64_t r = 0; r < count; r++) s[r] = s_ptr[(h - h0) * head_rows + r0 + r] + (pos - p0);
 #if defined(__AVX2__) && defined(__FMA__)
-        __m256 qv[D / 8];
-        for (int j = 0; j < D / 8; j++) qv[j] = _mm256_loadu_ps(q + 8 * j);
-        for (; i + 4 <= n; i += 4) {
-          const float* k0 = kb + i * token_stride + h * D;
-          const float *k1 = k0 + token_stride, *k2 = k1 + token_stride, *k3 = k2 + token_stride;
-          __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-          for (int j = 0; j < D / 8; j++) {
-            a0 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k0 + 8 * j), a0);
-            a1 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k1 + 8 * j), a1);
-            a2 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k2 + 8 * j), a2);
-            a3 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k3 + 8 * j), a3);
-          }
-          _mm_storeu_ps(s + i, _mm_mul_ps(hsum4(a0, a1, a2, a3), _mm_set1_ps(scale)));
-        }
+        if (count == 3)
+          score_rows<D, 3>(q + r0, s, kb + h * D, token_stride, n, scale);
+        else if (count == 2)
+          score_rows<D, 2>(q + r0, s, kb + h * D, token_stride, n, scale);
+        else
+          score_rows<D, 1>(q + r0, s, kb + h * D, token_stride, n, scale);
+#else
+        for (int64_t r = 0; r < count; r++)
+          for (int64_t i = 0; i < n; i++) s[r][i] = dot(q[r0 + r], kb + i * token_stride + h * D, D) * scale;
 #endif
-        for (; i < n; i++) s[i] = dot(q, kb + i * token_stride + h * D, D) * scale;
       }
     }
   }
-  // Softmax numerators per query head (normalised at the end, or by the merge).
-  float denom[256], row_max[256];
+  // Softmax numerators per row (normalised at the end, or by the merge); a row that sees none of
+  // the range (a split context's last part) gets max -inf and sum 0, which the merge weighs 0.
   for (int64_t row = 0; row < rows; row++) {
     float* s = scores.data() + row * len;
-    row_max[row] = max_of(s, len);
-    denom[row] = exp_sum_inplace(s, len, row_max[row]);
+    const int64_t n = visible(row / heads);
+    row_max[row] = max_of(s, n);
+    denom[row] = n > 0 ? exp_sum_inplace(s, n, row_max[row]) : 0.f;
   }
   // Weighted values, accumulated into the output rows block by block.
-  std::fill(out, out + rows * D, 0.f);
+  for (int64_t j = 0; j < q_len; j++) std::fill(out + j * out_stride, out + j * out_stride + heads * D, 0.f);
   prefetch_block(vc, b0);
   for (int64_t b = b0; b < b1; b++) {
     const float* vb = vc + table[b] * block_stride;
-    const int64_t first = b * block_size - p0, n = std::min(block_size, p1 - b * block_size);
+    const int64_t first = b * block_size - p0, block_n = std::min(block_size, p1 - b * block_size);
     prefetch_block(vc, b + 1);
     for (int64_t h = h0; h < h1; h++) {
-      for (int64_t g = 0; g < group; g++) {
-        const int64_t row = (h - h0) * group + g;
-        const float* w = scores.data() + row * len + first;
-        float* o = out + row * D;
+      for (int64_t j = 0; j < q_len; j++) {
+        const int64_t n = std::min(block_n, visible(j) - first);
+        if (n <= 0) continue;
+        for (int64_t g = 0; g < group; g++) {
+          const int64_t row = j * heads + (h - h0) * group + g;
+          const float* w = scores.data() + row * len + first;
+          float* o = out + j * out_stride + ((h - h0) * group + g) * D;
 #if defined(__AVX2__) && defined(__FMA__)
-        __m256 acc[D / 8];
-        for (int j = 0; j < D / 8; j++) acc[j] = _mm256_loadu_ps(o + 8 * j);
-        for (int64_t i = 0; i < n; i++) {
-          const float* v = vb + i * token_stride + h * D;
-          const __m256 wi = _mm256_set1_ps(w[i]);
-          for (int j = 0; j < D / 8; j++) acc[j] = _mm256_fmadd_ps(wi, _mm256_loadu_ps(v + 8 * j), acc[j]);
-        }
-        for (int j = 0; j < D / 8; j++) _mm256_storeu_ps(o + 8 * j, acc[j]);
+          __m256 acc[D / 8];
+          for (int k = 0; k < D / 8; k++) acc[k] = _mm256_loadu_ps(o + 8 * k);
+          for (int64_t i = 0; i < n; i++) {
+            const float* v = vb + i * token_stride + h * D;
+            const __m256 wi = _mm256_set1_ps(w[i]);
+            for (int k = 0; k < D / 8; k++) acc[k] = _mm256_fmadd_ps(wi, _mm256_loadu_ps(v + 8 * k), acc[k]);
+          }
+          for (int k = 0; k < D / 8; k++) _mm256_storeu_ps(o + 8 * k, acc[k]);
 #else
-        for (int64_t i = 0; i < n; i++) axpy(o, w[i], vb + i * token_stride + h * D, D);
+          for (int64_t i = 0; i < n; i++) axpy(o, w[i], vb + i * token_stride + h * D, D);
 #endif
+        }
       }
     }
   }
@@ -153,41 +212,48 @@ void decode_range(const float* q_req, float* out, const float* kc, const float* 
   }
   for (int64_t row = 0; row < rows; row++) {
     const float inv = 1.f / denom[row];
-    for (int64_t d = 0; d < D; d++) out[row * D + d] *= inv;
+    float* o = out + (row / heads) * out_stride + (row % heads) * D;
+    for (int64_t d = 0; d < D; d++) o[d] *= inv;
   }
 }
 
-// Any head_dim (the slow path), one KV head: scalar-friendly loops, unnormalised into `out` with
-// each row's max and sum in `stat` when that is given.
-void decode_range_any(const float* q_rows, float* out_rows, const float* kc, const float* vc, const int32_t* table,
-                      int64_t p0, int64_t p1, int64_t group, int64_t head_dim, int64_t block_size,
-                      int64_t block_stride, int64_t token_stride, float scale, float* stat,
-                      std::vector<float>& scores) {
+// Any head_dim (the slow path), one KV head: scalar-friendly loops over its group's query rows
+// for each of the q_len tokens (q_stride and out_stride floats apart), unnormalised into `out`
+// with each row's max and sum in `stat` (row j * group + g) when that is given.
+void decode_range_any(const float* q_head, int64_t q_stride, float* out_head, int64_t out_stride, const float* kc,
+                      const float* vc, const int32_t* table, int64_t p0, int64_t p1, int64_t group, int64_t q_len,
+                      int64_t seq_len, int64_t head_dim, int64_t block_size, int64_t block_stride,
+                      int64_t token_stride, float scale, float* stat, std::vector<float>& scores) {
   const int64_t len = p1 - p0;
   scores.resize(static_cast<size_t>(len));
-  for (int64_t g = 0; g < group; g++) {
-    const float* q = q_rows + g * head_dim;
-    float* out = out_rows + g * head_dim;
-    for (int64_t p = p0; p < p1; p++) {
-      const float* k = kc + table[p / block_size] * block_stride + (p % block_size) * token_stride;
-      scores[p - p0] = dot(q, k, head_dim) * scale;
-    }
-    const float row_max = max_of(scores.data(), len);
-    const float denom = exp_sum_inplace(scores.data(), len, row_max);
-    std::fill(out, out + head_dim, 0.f);
-    for (int64_t p = p0; p < p1; p++)
-      axpy(out, scores[p - p0], vc + table[p / block_size] * block_stride + (p % block_size) * token_stride, head_dim);
-    if (stat != nullptr) {
-      stat[2 * g] = row_max;
-      stat[2 * g + 1] = denom;
-    } else {
-      for (int64_t d = 0; d < head_dim; d++) out[d] /= denom;
+  for (int64_t j = 0; j < q_len; j++) {
+    const int64_t end = p0 + std::clamp<int64_t>(seq_len - q_len + j + 1 - p0, 0, len);  // causal limit
+    for (int64_t g = 0; g < group; g++) {
+      const float* q = q_head + j * q_stride + g * head_dim;
+      float* out = out_head + j * out_stride + g * head_dim;
+      for (int64_t p = p0; p < end; p++) {
+        const float* k = kc + table[p / block_size] * block_stride + (p % block_size) * token_stride;
+        scores[p - p0] = dot(q, k, head_dim) * scale;
+      }
+      const float row_max = max_of(scores.data(), end - p0);
+      const float denom = end > p0 ? exp_sum_inplace(scores.data(), end - p0, row_max) : 0.f;
+      std::fill(out, out + head_dim, 0.f);
+      for (int64_t p = p0; p < end; p++)
+        axpy(out, scores[p - p0], vc + table[p / block_size] * block_stride + (p % block_size) * token_stride,
+             head_dim);
+      if (stat != nullptr) {
+        stat[2 * (j * group + g)] = row_max;
+        stat[2 * (j * group + g) + 1] = denom;
+      } else {
+        for (int64_t d = 0; d < head_dim; d++) out[d] /= denom;
+      }
     }
   }
 }
 
-// One work item: request r's KV heads [h0, h1) over positions [p0, p1); `part` >= 0 indexes its
-// slot in the partial buffers (a split context), -1 writes the output directly.
+// One work item: request reqs[r]'s KV heads [h0, h1) over positions [p0, p1); `part` >= 0 is the
+// first of its rows (token, head in the group) in the partial buffers (a split context), -1
+// writes the output directly.
 struct Item {
   int64_t r, h0, h1, p0, p1, part;
 };
@@ -198,17 +264,26 @@ constexpr int64_t kMaxSplits = 16;  // position ranges of one context at most
 
 namespace compiled_llm_cpu {
 
+// A request for decode_attention: its query tokens are rows [row, row + q_len) of the query and
+// the output, its block table is row `req` of the tables. (Declared alike in
+// cpu_attention_step.cpp.)
+struct DecodeRequest {
+  int64_t req, row, q_len, seq_len;
+};
+
 void decode_attention(float* out, int64_t out_stride, const float* query, int64_t query_stride,
                       const float* key_cache, const float* value_cache, const int32_t* block_tables,
-                      int64_t table_stride, const int32_t* seq_lens, int64_t num_reqs, int64_t num_heads,
+                      int64_t table_stride, const DecodeRequest* reqs, int64_t num_reqs, int64_t num_heads,
                       int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale) {
   if (num_reqs <= 0) return;
   const int64_t group = num_heads / num_kv_heads;
   const int64_t block_stride = block_size * num_kv_heads * head_dim, token_stride = num_kv_heads * head_dim;
   const int threads = at::get_num_threads();
-  int64_t total_positions = 0;
-  for (int64_t r = 0; r < num_reqs; r++) total_positions += std::max<int32_t>(seq_lens[r], 0);
-  const int64_t total_work = total_positions * num_heads * head_dim;  // multiply-adds per phase
+  // Cost of a request: its positions times its query tokens (each position is used once a row).
+  auto cost_of = [&](int64_t r, int64_t positions) { return std::max<int64_t>(positions, 0) * reqs[r].q_len; };
+  int64_t total_cost = 0;
+  for (int64_t r = 0; r < num_reqs; r++) total_cost += cost_of(r, reqs[r].seq_len);
+  const int64_t total_work = total_cost * num_heads * head_dim;  // multiply-adds per phase
 
   // Work items: whole requests when there are enough of them to keep the threads busy (each
   // request's cache blocks are then read once, sequentially); otherwise (request, KV head), and
@@ -219,19 +294,19 @@ void decode_attention(float* out, int64_t out_stride, const float* query, int64_
   constexpr int64_t kChunkWork = int64_t{1} << 16, kParallelWork = int64_t{1} << 17;
   thread_local std::vector<Item> items;
   items.clear();
-  int64_t parts = 0;
+  int64_t part_rows = 0;
   const bool parallel = threads > 1 && total_work >= kParallelWork;
   const bool per_head = parallel && num_reqs < 2 * threads;
   const bool split = per_head && num_reqs * num_kv_heads < 2 * threads;
   if (!per_head) {
-    for (int64_t r = 0; r < num_reqs; r++) items.push_back({r, 0, num_kv_heads, 0, seq_lens[r], -1});
+    for (int64_t r = 0; r < num_reqs; r++) items.push_back({r, 0, num_kv_heads, 0, reqs[r].seq_len, -1});
   } else {
     // Ranges of about an even share of two items a thread, at most kMaxSplits a context.
     constexpr int64_t kMinRange = 32;
-    const int64_t range = std::max<int64_t>(kMinRange, total_positions * num_kv_heads / (2 * threads));
+    const int64_t range = std::max<int64_t>(kMinRange, total_cost * num_kv_heads / (2 * threads));
     for (int64_t r = 0; r < num_reqs; r++) {
-      const int64_t len = seq_lens[r];
-      const int64_t splits = split && len > 0 ? std::min(kMaxSplits, (len + range - 1) / range) : 1;
+      const int64_t len = reqs[r].seq_len, cost = cost_of(r, len);
+      const int64_t splits = split && len > 0 ? std::min(kMaxSplits, (cost + range - 1) / range) : 1;
       // Equal, block-aligned ranges.
       const int64_t step = ((len + splits - 1) / splits + block_size - 1) / block_size * block_size;
       for (int64_t h = 0; h < num_kv_heads; h++) {
@@ -239,15 +314,18 @@ void decode_attention(float* out, int64_t out_stride, const float* query, int64_
           items.push_back({r, h, h + 1, 0, len, -1});
           continue;
         }
-        for (int64_t p = 0; p < len; p += step) items.push_back({r, h, h + 1, p, std::min(len, p + step), parts++});
+        for (int64_t p = 0; p < len; p += step) {
+          items.push_back({r, h, h + 1, p, std::min(len, p + step), part_rows});
+          part_rows += reqs[r].q_len * group;
+        }
       }
     }
   }
-  // Partial results of split contexts: [parts, group, D] accumulators, [parts, group, 2] stats.
+  // Partial results of split contexts: [part_rows, D] accumulators, [part_rows, 2] stats.
   thread_local std::vector<float> partial;
-  partial.resize(static_cast<size_t>(parts * group * (head_dim + 2)));
+  partial.resize(static_cast<size_t>(part_rows * (head_dim + 2)));
   float* part_acc = partial.data();
-  float* part_stat = part_acc + parts * group * head_dim;
+  float* part_stat = part_acc + part_rows * head_dim;
 
   const int64_t num_items = static_cast<int64_t>(items.size());
   // Chunks of items of about kChunkWork multiply-adds; where contexts were split, one chunk a
@@ -256,11 +334,11 @@ void decode_attention(float* out, int64_t out_stride, const float* query, int64_
   thread_local std::vector<int64_t> bounds;
   bounds.assign(1, 0);
   if (split) {
-    int64_t cost = 0, total_cost = 0;
-    for (const Item& it : items) total_cost += it.p1 - it.p0;
+    int64_t cost = 0, split_cost = 0;
+    for (const Item& it : items) split_cost += cost_of(it.r, it.p1 - it.p0);
     for (int64_t i = 0; i + 1 < num_items; i++) {
-      cost += items[i].p1 - items[i].p0;
-      if (cost * threads >= total_cost * static_cast<int64_t>(bounds.size())) bounds.push_back(i + 1);
+      cost += cost_of(items[i].r, items[i].p1 - items[i].p0);
+      if (cost * threads >= split_cost * static_cast<int64_t>(bounds.size())) bounds.push_back(i + 1);
     }
   } else if (parallel) {
     const int64_t grain = std::max<int64_t>(1, kChunkWork * num_items / std::max<int64_t>(total_work, 1));
@@ -275,38 +353,46 @@ void decode_attention(float* out, int64_t out_stride, const float* query, int64_
     const int64_t begin = chunk_bounds[chunk], end = chunk_bounds[chunk + 1];
     for (int64_t i = begin; i < end; i++) {
       const Item& it = item_list[i];
-      const float* q_req = query + it.r * query_stride;
-      float* dst = it.part >= 0 ? part_acc + it.part * group * head_dim : out + it.r * out_stride + it.h0 * group * head_dim;
-      float* stat = it.part >= 0 ? part_stat + it.part * group * 2 : nullptr;
+      const DecodeRequest& rq = reqs[it.r];
+      const float* q_req = query + rq.row * query_stride;
+      // Split parts write [q_len, group, D] blocks of the partial buffers.
+      float* dst = it.part >= 0 ? part_acc + it.part * head_dim : out + rq.row * out_stride + it.h0 * group * head_dim;
+      const int64_t dst_stride = it.part >= 0 ? group * head_dim : out_stride;
+      float* stat = it.part >= 0 ? part_stat + it.part * 2 : nullptr;
       if (it.p1 <= 0) {  // a padded request
-        std::fill(dst, dst + (it.h1 - it.h0) * group * head_dim, 0.f);
+        for (int64_t j = 0; j < rq.q_len; j++)
+          std::fill(dst + j * dst_stride, dst + j * dst_stride + (it.h1 - it.h0) * group * head_dim, 0.f);
         continue;
       }
-      const int32_t* table = block_tables + it.r * table_stride;
+      const int32_t* table = block_tables + rq.req * table_stride;
       switch (head_dim) {
         case 64:
-          decode_range<64>(q_req, dst, key_cache, value_cache, table, it.p0, it.p1, it.h0, it.h1, group, block_size,
-                           block_stride, token_stride, scale, stat, scores);
+          decode_range<64>(q_req, query_stride, dst, dst_stride, key_cache, value_cache, table, it.p0, it.p1, it.h0,
+                           it.h1, group, rq.q_len, rq.seq_len, block_size, block_stride, token_stride, scale, stat,
+                           scores);
           break;
         case 128:
-          decode_range<128>(q_req, dst, key_cache, value_cache, table, it.p0, it.p1, it.h0, it.h1, group, block_size,
-                            block_stride, token_stride, scale, stat, scores);
+          decode_range<128>(q_req, query_stride, dst, dst_stride, key_cache, value_cache, table, it.p0, it.p1, it.h0,
+                            it.h1, group, rq.q_len, rq.seq_len, block_size, block_stride, token_stride, scale, stat,
+                            scores);
           break;
         case 32:
-          decode_range<32>(q_req, dst, key_cache, value_cache, table, it.p0, it.p1, it.h0, it.h1, group, block_size,
-                           block_stride, token_stride, scale, stat, scores);
+          decode_range<32>(q_req, query_stride, dst, dst_stride, key_cache, value_cache, table, it.p0, it.p1, it.h0,
+                           it.h1, group, rq.q_len, rq.seq_len, block_size, block_stride, token_stride, scale, stat,
+                           scores);
           break;
         default:
           for (int64_t h = it.h0; h < it.h1; h++) {
-            decode_range_any(q_req + h * group * head_dim, dst + (h - it.h0) * group * head_dim,
-                             key_cache + h * head_dim, value_cache + h * head_dim, table, it.p0, it.p1, group,
-                             head_dim, block_size, block_stride, token_stride, scale, stat, scores);
+            decode_range_any(q_req + h * group * head_dim, query_stride, dst + (h - it.h0) * group * head_dim,
+                             dst_stride, key_cache + h * head_dim, value_cache + h * head_dim, table, it.p0, it.p1,
+                             group, rq.q_len, rq.seq_len, head_dim, block_size, block_stride, token_stride, scale,
+                             stat, scores);
           }
       }
     }
   });
-  if (parts == 0) return;
-  // Merge the parts of each split (request, KV head): consecutive items with consecutive parts.
+  if (part_rows == 0) return;
+  // Merge the parts of each split (request, KV head): consecutive items of it.
   for (int64_t i = 0; i < num_items;) {
     if (item_list[i].part < 0) {
       i++;
@@ -316,22 +402,22 @@ void decode_attention(float* out, int64_t out_stride, const float* query, int64_
     while (j < num_items && item_list[j].part >= 0 && item_list[j].r == item_list[i].r &&
            item_list[j].h0 == item_list[i].h0)
       j++;
-    const int64_t first = item_list[i].part, n = j - i;
-    float* o = out + item_list[i].r * out_stride + item_list[i].h0 * group * head_dim;
-    for (int64_t g = 0; g < group; g++) {
+    const int64_t n = j - i;
+    const DecodeRequest& rq = reqs[item_list[i].r];
+    for (int64_t row = 0; row < rq.q_len * group; row++) {
       float m = -INFINITY;
-      for (int64_t k = 0; k < n; k++) m = std::max(m, part_stat[((first + k) * group + g) * 2]);
+      for (int64_t k = 0; k < n; k++) m = std::max(m, part_stat[(item_list[i + k].part + row) * 2]);
       float denom = 0.f, weight[kMaxSplits];
       for (int64_t k = 0; k < n; k++) {
-        const float* st = part_stat + ((first + k) * group + g) * 2;
-        weight[k] = std::exp(st[0] - m);
+        const float* st = part_stat + (item_list[i + k].part + row) * 2;
+        weight[k] = std::exp(st[0] - m);  // 0 for a part the row sees none of (max -inf)
         denom += weight[k] * st[1];
       }
       const float inv = 1.f / denom;
-      float* dst = o + g * head_dim;
+      float* dst = out + (rq.row + row / group) * out_stride + (item_list[i].h0 * group + row % group) * head_dim;
       for (int64_t d = 0; d < head_dim; d++) {
         float sum = 0.f;
-        for (int64_t k = 0; k < n; k++) sum += weight[k] * part_acc[((first + k) * group + g) * head_dim + d];
+        for (int64_t k = 0; k < n; k++) sum += weight[k] * part_acc[(item_list[i + k].part + row) * head_dim + d];
         dst[d] = sum * inv;
       }
     }
@@ -364,13 +450,15 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& query, const at::
                   block_tables.stride(1) == 1 && seq_lens.dim() == 1 && seq_lens.stride(0) == 1,
               "out, query, block_tables and seq_lens must cover the requests");
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  for (int64_t r = 0; r < num_reqs; r++)
+  std::vector<compiled_llm_cpu::DecodeRequest> reqs(static_cast<size_t>(num_reqs));
+  for (int64_t r = 0; r < num_reqs; r++) {
     TORCH_CHECK(lens[r] <= block_tables.size(1) * block_size, "a request's context is longer than its block table");
+    reqs[r] = {r, r, 1, lens[r]};
+  }
   compiled_llm_cpu::decode_attention(out.data_ptr<float>(), out.stride(0), query.data_ptr<float>(), query.stride(0),
                                      key_cache.data_ptr<float>(), value_cache.data_ptr<float>(),
-                                     block_tables.data_ptr<int32_t>(), block_tables.stride(0),
-                                     lens, num_reqs, num_heads, num_kv_heads, head_dim,
-                                     block_size, static_cast<float>(scale));
+                                     block_tables.data_ptr<int32_t>(), block_tables.stride(0), reqs.data(), num_reqs,
+                                     num_heads, num_kv_heads, head_dim, block_size, static_cast<float>(scale));
 }
 
 }  // namespace

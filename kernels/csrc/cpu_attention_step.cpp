@@ -1,6 +1,7 @@
 // One layer's attention for a whole step in one call: the rotary embedding of the new queries and
 // keys (when the compiler's fusion pass moved it here), the KV-cache write, decode attention for
-// the single-token requests, prefill attention for the rest, and zeros for padded rows.
+// the requests with at most kMaxDecodeQuery query tokens (wherever they are in the batch),
+// prefill attention for the rest, and zeros for padded rows.
 //
 // Why one op: from Python the same work was a write, a decode call and a prefill call, each
 // with its tensor slicing and checks, about 70 us a layer; at batch 1 that was 2 ms of a 30 ms
@@ -18,14 +19,23 @@
 #include <vector>
 
 namespace compiled_llm_cpu {
+// As defined in cpu_attention.cpp: query rows [row, row + q_len), block table row `req`.
+struct DecodeRequest {
+  int64_t req, row, q_len, seq_len;
+};
 // Decode attention on raw pointers (cpu_attention.cpp); the caller has checked the layouts.
 void decode_attention(float* out, int64_t out_stride, const float* query, int64_t query_stride,
                       const float* key_cache, const float* value_cache, const int32_t* block_tables,
-                      int64_t table_stride, const int32_t* seq_lens, int64_t num_reqs, int64_t num_heads,
+                      int64_t table_stride, const DecodeRequest* reqs, int64_t num_reqs, int64_t num_heads,
                       int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale);
 }  // namespace compiled_llm_cpu
 
 namespace {
+
+// Requests with up to this many query tokens (a verification of a few drafts, a tiny prefill
+// chunk) take the decode kernel, which reads each cached row once for all of them; the prefill
+// kernel's tiles and online softmax pay off only for longer queries.
+constexpr int64_t kMaxDecodeQuery = 16;
 
 // NeoX rotary embedding of one head's row, in float32 as kernels/rotary.py does:
 // halves (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin); `cos` is followed by `sin`.
@@ -69,7 +79,7 @@ struct Rows {
 
 // The step on raw pointers, for the layouts the model makes; false (having changed nothing) for
 // anything else, which the tensor path then handles or rejects. `query` is used only for a
-// prefill without rotary (the prefill kernel is still called as an op: that path is not hot).
+// long prefill without rotary (the prefill kernel is still called as an op: that path is not hot).
 bool step_on_pointers(Rows q, Rows k, Rows v, int64_t T, int64_t H, const at::Tensor& query, at::Tensor& output,
                       at::Tensor& kv_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                       const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t num_reqs,
@@ -86,8 +96,12 @@ bool step_on_pointers(Rows q, Rows k, Rows v, int64_t T, int64_t H, const at::Te
     return false;
   if (slot_mapping.scalar_type() != at::kLong || slot_mapping.dim() != 1 || slot_mapping.stride(0) != 1 ||
       block_tables.scalar_type() != at::kInt || block_tables.dim() != 2 || block_tables.stride(1) != 1 ||
-      block_tables.size(0) < num_decodes || seq_lens.scalar_type() != at::kInt || seq_lens.dim() != 1 ||
+      block_tables.size(0) < num_reqs || seq_lens.scalar_type() != at::kInt || seq_lens.dim() != 1 ||
       seq_lens.stride(0) != 1 || num_decodes > T)
+    return false;
+  if (num_reqs > num_decodes &&
+      (query_start_loc.scalar_type() != at::kInt || query_start_loc.dim() != 1 || query_start_loc.stride(0) != 1 ||
+       query_start_loc.size(0) < num_reqs + 1))
     return false;
   if (rotary && (D % 2 != 0 || cos_sin->dim() != 2 || cos_sin->size(1) != D || !cos_sin->is_contiguous() ||
                  cos_sin->scalar_type() != at::kFloat || positions->dim() != 1 || positions->size(0) < T ||
@@ -96,8 +110,26 @@ bool step_on_pointers(Rows q, Rows k, Rows v, int64_t T, int64_t H, const at::Te
 
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int64_t max_context = block_tables.size(1) * block_size;
-  for (int64_t r = 0; r < num_decodes; r++)
+  for (int64_t r = 0; r < num_reqs; r++)
     TORCH_CHECK(lens[r] <= max_context, "a request's context is longer than its block table");
+  // The decode kernel's requests: the decodes (query token r), then the short queries after them.
+  const int32_t* starts = num_reqs > num_decodes ? query_start_loc.data_ptr<int32_t>() : nullptr;
+  auto query_len = [&](int64_t r) { return static_cast<int64_t>(starts[r + 1]) - starts[r]; };
+  thread_local std::vector<compiled_llm_cpu::DecodeRequest> short_reqs;
+  short_reqs.clear();
+  for (int64_t r = 0; r < num_decodes; r++) short_reqs.push_back({r, r, 1, lens[r]});
+  bool any_long = false;
+  for (int64_t r = num_decodes; r < num_reqs; r++) {
+    TORCH_CHECK(0 <= starts[r] && starts[r] <= starts[r + 1] && starts[r + 1] <= T,
+                "query_start_loc must be non-decreasing within the step's tokens");
+    const int64_t q_len = query_len(r);
+    if (q_len > kMaxDecodeQuery) {
+      any_long = true;
+    } else if (q_len > 0) {  // none: a padded request
+      TORCH_CHECK(q_len <= lens[r], "a request has more query tokens than its seq_len");
+      short_reqs.push_back({r, starts[r], q_len, lens[r]});
+    }
+  }
   const int64_t* pos = nullptr;
   const float* table = nullptr;
   if (rotary) {
@@ -140,19 +172,30 @@ bool step_on_pointers(Rows q, Rows k, Rows v, int64_t T, int64_t H, const at::Te
   }
 
   float* out = output.data_ptr<float>();
-  if (num_decodes > 0)
+  if (!short_reqs.empty())
     compiled_llm_cpu::decode_attention(out, output.stride(0), q_rows, q_stride, kc, vc, block_tables.data_ptr<int32_t>(),
-                                       block_tables.stride(0), lens, num_decodes, H, Hkv, D, block_size,
+                                       block_tables.stride(0), short_reqs.data(),
+                                       static_cast<int64_t>(short_reqs.size()), H, Hkv, D, block_size,
                                        static_cast<float>(scale));
-  if (num_reqs > num_decodes) {
+  if (any_long) {
     static auto prefill = c10::Dispatcher::singleton()
                               .findSchemaOrThrow("compiled_llm_cpu::paged_prefill_attention", "")
                               .typed<void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                           const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double,
                                           int64_t)>();
     const at::Tensor q_tensor = rotary ? at::from_blob(rotated.data(), {T, H, D}, output.options()) : query;
-    prefill.call(output, q_tensor, kv_cache.select(0, 0), kv_cache.select(0, 1), block_tables.narrow(0, 0, num_reqs),
-                 seq_lens.narrow(0, 0, num_reqs), query_start_loc, num_decodes, scale, 0);
+    // One call per run of consecutive long queries (the op does requests [first, end)).
+    for (int64_t r = num_decodes; r < num_reqs;) {
+      if (query_len(r) <= kMaxDecodeQuery) {
+        r++;
+        continue;
+      }
+      int64_t end = r + 1;
+      while (end < num_reqs && query_len(end) > kMaxDecodeQuery) end++;
+      prefill.call(output, q_tensor, kv_cache.select(0, 0), kv_cache.select(0, 1), block_tables.narrow(0, 0, end),
+                   seq_lens.narrow(0, 0, end), query_start_loc, r, scale, 0);
+      r = end;
+    }
   }
   for (int64_t t = num_actual_tokens; t < T; t++) std::memset(out + t * output.stride(0), 0, H * D * sizeof(float));
   return true;

@@ -151,6 +151,60 @@ def test_few_decodes_split_over_threads_match_reference(contexts, heads, head_di
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+
+@settings(max_examples=40, deadline=None)
+@given(
+    requests=st.lists(
+        st.tuples(st.one_of(st.just(1), st.integers(2, 16), st.integers(17, 40)), st.integers(0, 700)),
+        min_size=1, max_size=4,
+    ),
+    heads=st.sampled_from([(9, 3), (4, 4), (8, 1), (6, 2)]),
+    head_dim=st.sampled_from([64, 32, 128, 24]),
+    block_size=st.sampled_from([8, 16, 32]),
+    threads=st.sampled_from([1, 2, 3, 4]),
+    rotary=st.booleans(),
+)
+def test_short_queries_take_the_decode_kernel_and_match_reference(requests, heads, head_dim, block_size, threads,
+                                                                   rotary):
+    """Speculative verifications (2-16 query tokens) and tiny prefill chunks, in any order among
+    decodes and long prefills, go through the multi-query decode kernel (its contexts split over
+    the threads, causal per query token) and equal the torch reference."""
+    from compiled_llm.kernels.rotary import rotary_embedding
+    from compiled_llm.models.layers.rotary import RotaryEmbedding
+
+    query_lens = [q for q, _ in requests]
+    q, k, v, cache, meta = make_batch(query_lens, [c for _, c in requests], *heads, head_dim, block_size)
+    meta.num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))  # the leading ones
+    q *= 10  # the parts' maxima differ: the merge must rescale them
+    positions = table = None
+    ref_q, ref_k = q, k
+    if rotary:
+        table = RotaryEmbedding(head_dim, 1024, 10000.0).cos_sin_cache
+        positions = torch.randint(0, 1024, (q.shape[0],), generator=torch.Generator().manual_seed(len(requests)))
+        ref_q, ref_k = rotary_embedding(positions, q, k, table)
+    ref_cache = cache.clone()
+    write_kv_cache(ref_k, v, ref_cache, meta.slot_mapping, reference=True)
+    # In float64: with scores this large float32 rounding alone (the reference's, the prefill
+    # kernel's) reaches 1-2e-5; a wrong causal limit or merge is off by far more.
+    ref = paged_attention(ref_q.double(), ref_k.double(), v.double(), ref_cache.double(), meta, 0.125,
+                          reference=True).float()
+    out = torch.full_like(q, float("nan"))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        attention(q, k, v, out, cache, meta, 0.125, positions, table)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(cache, ref_cache, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out, ref, rtol=5e-5, atol=5e-5)
+
+
+def test_short_query_longer_than_its_context_is_rejected():
+    q, k, v, cache, meta = make_batch([1, 5], [4, 3], 4, 2, 64, 16)
+    meta.seq_lens[1] = 4  # 5 query tokens cannot fit in a context of 4
+    with pytest.raises(RuntimeError, match="more query tokens than its seq_len"):
+        attention(q, k, v, torch.empty_like(q), cache, meta, 0.1)
+
 def test_prefill_through_paged_attention_and_long_prompt():
     q, k, v, cache, meta = make_batch([1, 300, 45], [20, 0, 500], 9, 3, 64, 16)
     write_kv_cache(k, v, cache, meta.slot_mapping)
