@@ -177,7 +177,9 @@ class EngineCore:
             if accounted is not None and self._in_flight:
                 accounted.extend(self._account_oldest_step())
             assert self.structured_outputs is not None
-            return self.structured_outputs.grammar_bitmask([self.scheduler.requests.get(rid) for rid in ids])
+            drafts = [scheduler_output.scheduled_spec_decode_tokens.get(rid, []) for rid in ids]
+            return self.structured_outputs.grammar_bitmask([self.scheduler.requests.get(rid) for rid in ids],
+                                                           drafts if any(drafts) else None)
 
         return fill
 

@@ -87,11 +87,11 @@ class Request:
     @property
     def may_speculate(self) -> bool:
         """Drafts are verified exactly only where a token's distribution depends on the tokens before
-        it through the model alone: not under a grammar, nor with penalties (counts of earlier
-        outputs); scoring a prompt (max_tokens=0) generates nothing to propose."""
+        it through the model (and a grammar, whose bitmask is filled for every verified position)
+        alone: not with penalties (counts of earlier outputs); scoring a prompt (max_tokens=0)
+        generates nothing to propose."""
         params = self.sampling_params
-        return (self.grammar is None and params.structured_outputs is None and params.max_tokens != 0
-                and not params.presence_penalty and not params.frequency_penalty
+        return (params.max_tokens != 0 and not params.presence_penalty and not params.frequency_penalty
                 and params.repetition_penalty == 1.0)
 
     @property

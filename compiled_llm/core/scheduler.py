@@ -204,11 +204,15 @@ class Scheduler:
         if room <= 0:
             return []
         if spec.method == "draft_model":  # placeholders: the runner's draft model fills them in
-            return [0] * room
+            # (under a grammar they would have to be checked against it before the verification)
+            return [] if request.grammar is not None else [0] * room
         if request.ngram is None:
             assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
             request.ngram = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max, request.all_token_ids)
-        return request.ngram.propose(room)
+        drafts = request.ngram.propose(room)
+        if drafts and request.grammar is not None:  # a draft the grammar forbids would be rejected
+            drafts = drafts[: request.grammar.valid_prefix(drafts)]
+        return drafts
 
     def _allocate_preempting(self, request: Request, num_new: int, plan: _StepPlan) -> list[KVCacheBlock] | None:
         """Blocks for `num_new` more tokens of a running request, preempting victims until they fit;

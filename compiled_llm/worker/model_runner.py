@@ -273,11 +273,12 @@ class ModelRunner:
         logits_indices = np.repeat(ends - counts, counts) + within
         logits = self.model.compute_logits(hidden[torch.from_numpy(logits_indices).to(self.device)])
         sampling_ids = [req_ids[i] for i in sample_idx]
-        if grammar_bitmask is not None:  # constrained requests have no drafts: their one row is their last
-            ids_by_row = [""] * len(logits_indices)
-            for i, rid in enumerate(sampling_ids):
-                ids_by_row[int(starts[i] + num_drafts[i])] = rid
-            self._apply_grammar_bitmask(logits, grammar_bitmask(), out.structured_output_request_ids, ids_by_row)
+        if grammar_bitmask is not None:  # a constrained request's bitmask rows: one per verified position
+            first_row = {rid: int(starts[i]) for i, rid in enumerate(sampling_ids)}
+            count = dict(zip(sampling_ids, counts.tolist()))
+            rows_of = [first_row[rid] + j for rid in out.structured_output_request_ids for j in range(count[rid])]
+            apply_grammar_bitmask(logits, grammar_bitmask(), rows_of)
+            self.num_grammar_bitmasks += 1
         draft_req = np.repeat(np.arange(len(sample_rows)), num_drafts)
         draft_at = batch.num_tokens[sample_rows][draft_req] + within[within < np.repeat(num_drafts, counts)]
         draft_ids = torch.from_numpy(batch.token_ids[sample_rows[draft_req], draft_at]).to(self.device)

@@ -56,6 +56,31 @@ def test_structured_outputs_share_verification_steps(tiny_llama):
     assert want[0] == [41] * 20
 
 
+def test_constrained_requests_speculate_within_their_grammar(tiny_llama):
+    """A request under a grammar gets drafts too: they are cut where the grammar forbids them, and
+    its bitmask is applied at every verified position. Here a logit bias makes the output repeat a
+    letter (drafts accepted) until the regex allows only the end (drafts cut, then none)."""
+    from transformers import AutoTokenizer
+
+    letter = AutoTokenizer.from_pretrained(tiny_llama).convert_tokens_to_ids("a")
+    kwargs = dict(optimization_level=0, max_model_len=256, kv_cache_memory_bytes=16 << 20)
+    spec = LLM(tiny_llama, speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
+               **kwargs)
+    prompt = [{"prompt_token_ids": [letter] * 12}]
+    for regex in ("a{3,14}", "[a-z]{2,9}b?"):
+        params = SamplingParams(max_tokens=30, temperature=0.0, logit_bias={letter: 30.0},
+                                structured_outputs=StructuredOutputsParams(regex=regex))
+        want = LLM(tiny_llama, **kwargs).generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        totals = spec.llm_engine.engine_core.scheduler.spec_totals
+        before = (totals.num_drafts, totals.num_accepted_tokens)
+        got = spec.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        assert got.token_ids == want.token_ids and got.text == want.text
+        assert totals.num_drafts > before[0] and totals.num_accepted_tokens > before[1]
+    assert want.text.startswith("a" * 9) and len(want.text) <= 10  # the regex ended the repeat
+    pool = spec.llm_engine.engine_core.scheduler.kv.pool
+    assert pool.num_free_blocks == pool.num_blocks - 1
+
+
 @pytest.mark.slow
 def test_warm_start_with_speculation_compiles_nothing(real_model_path, warm_compile_cache):
     """Speculation leaves the compiled graph alone: the precompiled entry serves it (zero Inductor

@@ -40,19 +40,52 @@ class RequestGrammar:
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens`, in a row from here, the grammar allows (a speculative draft is
+        cut there: a verification would reject the rest). The matcher is left as it was."""
+        count = 0
+        for token in tokens:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(token):
+                break
+            count += 1
+        if count:
+            self.matcher.rollback(count)
+        return count
+
+    def fill_bitmasks(self, bitmask: torch.Tensor, row: int, drafts: list[int]) -> None:
+        """Rows row .. row + len(drafts): the tokens allowed at each position a verification
+        samples, after each prefix of `drafts` (which `valid_prefix` vouched for). After a draft
+        that ends the grammar anything goes: the request stops there and later tokens are dropped."""
+        self.fill_bitmask(bitmask, row)
+        for j, token in enumerate(drafts, 1):
+            accepted = self.matcher.accept_token(token)
+            assert accepted, f"draft token {token} outside the grammar"
+            if self.matcher.is_terminated():
+                bitmask[row + j : row + len(drafts) + 1].fill_(-1)
+                self.matcher.rollback(j)
+                return
+            self.fill_bitmask(bitmask, row + j)
+        if drafts:
+            self.matcher.rollback(len(drafts))
+
 
 def bitmask_width(vocab_size: int) -> int:
     """int32 words per bitmask row: one bit per token id."""
     return (vocab_size + 31) // 32
 
 
-def fill_grammar_bitmask(grammars: Sequence[RequestGrammar | None], out: torch.Tensor) -> torch.Tensor:
-    """Row i of `out`: the tokens grammar i allows next (every token for None or an ended grammar,
-    whose request is finishing and whose sample is dropped). Returns the filled rows."""
-    rows = out[: len(grammars)]
-    for row, grammar in enumerate(grammars):
+def fill_grammar_bitmask(grammars: Sequence[RequestGrammar | None], out: torch.Tensor,
+                         drafts: Sequence[list[int]] | None = None) -> torch.Tensor:
+    """The rows of grammar i, in order: one, the tokens it allows next, or with `drafts[i]` one
+    per verified position (`RequestGrammar.fill_bitmasks`); every token for None or an ended
+    grammar, whose request is finishing and whose samples are dropped. Returns the filled rows."""
+    drafts = drafts or [[] for _ in grammars]
+    rows = out[: sum(1 + len(d) for d in drafts)]
+    row = 0
+    for grammar, draft in zip(grammars, drafts):
         if grammar is None or grammar.terminated:
-            rows[row].fill_(-1)
+            rows[row : row + 1 + len(draft)].fill_(-1)
         else:
-            grammar.fill_bitmask(rows, row)
+            grammar.fill_bitmasks(rows, row, draft)
+        row += 1 + len(draft)
     return rows

@@ -74,14 +74,16 @@ class StructuredOutputManager:
         if self._waiting:
             wait([job.future for _, job in self._waiting.values()], timeout, return_when=FIRST_COMPLETED)
 
-    def grammar_bitmask(self, requests: list[Request | None]) -> torch.Tensor:
-        """The step's bitmask: one row per constrained request that samples in it, in that order
-        (None: one that finished meanwhile, which may sample anything; its token is dropped). The
-        rows are a view of a buffer that the next call refills: the runner applies them first."""
+    def grammar_bitmask(self, requests: list[Request | None], drafts: list[list[int]] | None = None) -> torch.Tensor:
+        """The step's bitmask: the rows of each constrained request that samples in it, in that
+        order: one, or 1 + its drafts with speculation (None: one that finished meanwhile, which may
+        sample anything; its tokens are dropped). The rows are a view of a buffer that the next
+        call refills: the runner applies them first."""
         grammars = [None if r is None or r.status.finished else r.grammar for r in requests]
-        if len(grammars) > self._bitmask.shape[0]:
-            self._bitmask = torch.empty((len(grammars), self._bitmask.shape[1]), dtype=torch.int32)
-        return fill_grammar_bitmask(grammars, self._bitmask)
+        num_rows = len(grammars) + sum(len(d) for d in drafts or [])
+        if num_rows > self._bitmask.shape[0]:
+            self._bitmask = torch.empty((num_rows, self._bitmask.shape[1]), dtype=torch.int32)
+        return fill_grammar_bitmask(grammars, self._bitmask, drafts)
 
     def shutdown(self) -> None:
         self.compilers.shutdown()
