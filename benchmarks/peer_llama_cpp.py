@@ -21,6 +21,11 @@ llama-cpp-python's Python layer is timed:
 - perplexity: windows of token ids, each decoded in one batch with logits at every position.
 Context settings are llama.cpp's defaults (n_batch 2048, n_ubatch 512, flash attention `auto`)
 except n_ctx, n_seq_max, kv_unified and the thread counts, which the job gives.
+
+Prompt-lookup decoding (spec_decode.py) lives only in llama-cpp-python's Python layer, so
+`LlamaCppLookupPeer` drives it there: `Llama.generate`, the token generator under
+`create_completion(stream=True)`, with and without `draft_model=LlamaPromptLookupDecoding(...)`, fed
+our prompt ids; greedy, no detokenization and no stop at EOS (generate does not stop there).
 """
 
 from __future__ import annotations
@@ -85,6 +90,19 @@ class LlamaCppPeer:
         if self.proc.poll() is None:
             self.proc.stdin.close()
             self.proc.wait(timeout=60)
+
+
+class LlamaCppLookupPeer(LlamaCppPeer):
+    """A worker holding llama-cpp-python's high-level `Llama` twice on one file: plain, and with
+    prompt-lookup decoding (its draft's settings given per job)."""
+
+    def __init__(self, path: str | Path, threads: int, n_ctx: int) -> None:
+        py = venv_python()
+        if py is None:
+            raise RuntimeError(missing_reason())
+        self.proc = subprocess.Popen([str(py), str(Path(__file__).resolve())], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.info = self.job("load_lookup", path=str(path), threads=threads, n_ctx=n_ctx)
 
 
 # ---- the worker, in the venv ----------------------------------------------------------------------
@@ -202,6 +220,62 @@ class Worker:
             total += float((logsumexp - logits[np.arange(len(window) - 1), window[1:]]).sum())
             count += len(window) - 1
         return {"nll": total, "count": count}
+
+    def load_lookup(self, path: str, threads: int, n_ctx: int) -> dict:
+        """Two `Llama` objects on one file (llama-cpp-python's defaults but n_ctx and threads):
+        plain, and with a prompt-lookup draft that records its proposals for the acceptance."""
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        proposals = self.proposals = []
+
+        class RecordingLookup(LlamaPromptLookupDecoding):
+            def __call__(self, input_ids, /, **kwargs):
+                proposal = super().__call__(input_ids, **kwargs)
+                proposals.append((len(input_ids), proposal.tolist()))
+                return proposal
+
+        t = time.perf_counter()
+        common = dict(model_path=path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False)
+        self.plain = Llama(**common)
+        self.draft = RecordingLookup()
+        self.lookup = Llama(**common, draft_model=self.draft)
+        return {"load_s": time.perf_counter() - t, "n_batch": self.plain.n_batch,
+                "draft_defaults": {"num_pred_tokens": LlamaPromptLookupDecoding().num_pred_tokens,
+                                   "max_ngram_size": LlamaPromptLookupDecoding().max_ngram_size}}
+
+    def lookup_generate(self, prompt: list[int], new_tokens: int, num_pred_tokens: int = 0,
+                        max_ngram_size: int = 2) -> dict:
+        """Greedy through `Llama.generate`, prompt lookup on when num_pred_tokens > 0: the times
+        of start, first and last token, the tokens, and the drafts' proposed and accepted tokens
+        (a proposal's accepted tokens: its common prefix with what greedy then produced)."""
+        llama = self.lookup if num_pred_tokens else self.plain
+        self.draft.num_pred_tokens, self.draft.max_ngram_size = num_pred_tokens, max_ngram_size
+        self.proposals.clear()
+        llama.reset()  # no KV prefix reuse from the previous job: every job prefills its prompt
+        tokens: list[int] = []
+        start = time.perf_counter()
+        for token in llama.generate(prompt, temp=0.0):
+            if not tokens:
+                first = time.perf_counter()
+            tokens.append(int(token))
+            if len(tokens) == new_tokens:
+                break
+        end = time.perf_counter()
+        drafts = proposed = accepted = 0
+        for seen, proposal in self.proposals:
+            at = seen - len(prompt)  # the output index of the proposal's first token
+            proposal = proposal[:len(tokens) - at]  # past the last output token: neither kind
+            if not proposal:
+                continue
+            drafts += 1
+            proposed += len(proposal)
+            for guess, actual in zip(proposal, tokens[at:]):
+                if guess != actual:
+                    break
+                accepted += 1
+        return {"start": start, "first": first, "end": end, "tokens": tokens, "drafts": drafts,
+                "proposed": proposed, "accepted": accepted}
 
 
 def serve_jobs() -> None:
