@@ -379,6 +379,9 @@ class SpeculativeConfig:
     # No drafts in a step where more requests than this are running: at large batches a decode step
     # is no longer bound by reading the weights, and verifying guesses costs compute (None: always).
     disable_by_batch_size: int | None = None
+    # Measure, per batch size, whether steps with drafts yield more tokens per second than steps
+    # without, and speculate only where they do (spec_decode/gain.py).
+    measure_gain: bool = True
     model: str | None = None  # draft_model: the draft's folder or .gguf file
     quantization: str | None = None  # draft_model: the draft's weight format (None: as its checkpoint has it)
     draft_model_config: ModelConfig | None = None
@@ -392,6 +395,8 @@ class SpeculativeConfig:
         if self.method != "draft_model" and (self.model is not None or self.quantization is not None):
             raise ValueError(f"speculative_config: model and quantization are draft_model's fields, not "
                              f"{self.method}'s.")
+        if not isinstance(self.measure_gain, bool):
+            raise ValueError(f"speculative_config: measure_gain must be true or false, got {self.measure_gain!r}.")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
@@ -421,7 +426,7 @@ class SpeculativeConfig:
         if not isinstance(spec, dict):
             raise ValueError(f"speculative_config must be a JSON object (a dict), got {type(spec).__name__}.")
         known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size",
-                 "model", "quantization"}
+                 "model", "quantization", "measure_gain"}
         unknown = sorted(set(spec) - known)
         if unknown:
             raise ValueError(f"speculative_config: unknown field(s) {', '.join(unknown)}; known: "

@@ -137,8 +137,12 @@ class EngineCore:
             outputs += self._step_async()
         elif self.scheduler.has_unfinished_requests():
             scheduler_output = self.scheduler.schedule()
+            started = time.perf_counter()
             runner_output = self.executor.execute_model(scheduler_output, self._grammar_bitmask(scheduler_output))
-            outputs += self.scheduler.update_from_output(scheduler_output, runner_output)
+            seconds = time.perf_counter() - started
+            step_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+            self.scheduler.record_step_time(scheduler_output, sum(len(o.new_token_ids) for o in step_outputs), seconds)
+            outputs += step_outputs
         return EngineCoreOutputs(outputs, self._stats(), time.time())
 
     def _step_async(self) -> list[EngineCoreOutput]:
@@ -220,6 +224,11 @@ class EngineCore:
             logger.info("Speculative decoding: acceptance rate %.1f%% (%d of %d draft tokens), mean accepted length "
                         "%.2f tokens per verification.", 100.0 * accepted / proposed, accepted, proposed,
                         1.0 + accepted / drafts)
+        gain = self.scheduler.spec_gain.summary() if self.scheduler.spec_gain is not None else {}
+        if gain:
+            logger.info("Speculative decoding, measured decode tok/s without / with drafts: %s.", "; ".join(
+                f"up to {n} running: {plain:.0f} / {spec:.0f}, {'on' if on else 'off'}"
+                for n, (plain, spec, on) in gain.items()))
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv.reset_prefix_cache()

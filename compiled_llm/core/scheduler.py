@@ -43,6 +43,7 @@ from compiled_llm.core.request_queue import make_request_queue
 from compiled_llm.messages.engine_core import EngineCoreOutput, SchedulerStats, SpecDecodingStats
 from compiled_llm.messages.runner_output import LogprobsLists, ModelRunnerOutput
 from compiled_llm.messages.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from compiled_llm.spec_decode.gain import SpeculationGain
 from compiled_llm.spec_decode.ngram import NgramIndex
 
 
@@ -86,6 +87,9 @@ class Scheduler:
         self.speculative_config = speculative_config
         self.spec_stats = SpecDecodingStats() if speculative_config is not None else None  # since the last stats
         self.spec_totals = SpecDecodingStats()  # since start-up (the acceptance rate in the logs)
+        measures = speculative_config is not None and speculative_config.measure_gain
+        self.spec_gain = SpeculationGain() if measures else None
+        self._step_speculates = False  # whether the last scheduled step could propose drafts
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
@@ -163,6 +167,9 @@ class Scheduler:
         spec = self.speculative_config
         speculates = spec is not None and (spec.disable_by_batch_size is None
                                            or len(self.running) <= spec.disable_by_batch_size)
+        if speculates and self.spec_gain is not None:
+            speculates = self.spec_gain.speculate(len(self.running))
+        self._step_speculates = speculates
         for request in list(self.running):
             if plan.token_budget <= 0:
                 break
@@ -363,6 +370,17 @@ class Scheduler:
         if stopped:
             self._remove_stopped(stopped)
         return outputs
+
+    def record_step_time(self, scheduler_output: SchedulerOutput, num_output_tokens: int, seconds: float) -> None:
+        """How long a step took and what it yielded: decode-only steps tell `spec_gain` whether
+        speculation pays at their batch size."""
+        if self.spec_gain is None or scheduler_output.scheduled_new_reqs:
+            return
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        if any(n != 1 + len(drafts.get(rid, ())) for rid, n in scheduler_output.num_scheduled_tokens.items()):
+            return  # a prompt chunk's time says nothing of decoding
+        self.spec_gain.record(len(scheduler_output.num_scheduled_tokens), self._step_speculates, num_output_tokens,
+                              seconds)
 
     def _roll_back_rejected(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """The step computed KV for all `num_drafts` drafts; only the accepted ones' entries hold.

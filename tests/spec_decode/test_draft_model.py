@@ -19,7 +19,7 @@ OTHERS = [[3, 9, 1, 14, 2], [7] * 9, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
 
 
 def draft_spec(model: str, k: int = 3) -> dict:
-    return {"method": "draft_model", "model": model, "num_speculative_tokens": k}
+    return {"method": "draft_model", "model": model, "num_speculative_tokens": k, "measure_gain": False}
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,8 @@ import pytest
 from compiled_llm import LLM, SamplingParams
 from compiled_llm.sampling_params import StructuredOutputsParams
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4,
+        "measure_gain": False}  # every step may propose drafts (gain.py has its own tests)
 TEXT = ("The old lighthouse stood on the northern cliff, its white paint peeling in the salt wind. Every night "
         "the keeper climbed the spiral stairs and lit the great lamp.")
 
@@ -40,7 +41,8 @@ def test_bundled_model_greedy_with_ngram_equals_without(real_model_path):
 def test_structured_outputs_share_verification_steps(tiny_llama):
     kwargs = dict(optimization_level=0, max_model_len=256, kv_cache_memory_bytes=16 << 20)
     base = LLM(tiny_llama, **kwargs)
-    spec = LLM(tiny_llama, speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+    spec = LLM(tiny_llama, speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                                     "measure_gain": False},
                **kwargs)
     prompts = [{"prompt_token_ids": [40, 41, 42, 43] * 5}, {"prompt_token_ids": [7, 8, 9] * 4}]
     # A logit bias makes the first request repeat itself (drafts proposed and accepted, the bias applied
@@ -64,7 +66,8 @@ def test_constrained_requests_speculate_within_their_grammar(tiny_llama):
 
     letter = AutoTokenizer.from_pretrained(tiny_llama).convert_tokens_to_ids("a")
     kwargs = dict(optimization_level=0, max_model_len=256, kv_cache_memory_bytes=16 << 20)
-    spec = LLM(tiny_llama, speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
+    spec = LLM(tiny_llama, speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                                                     "measure_gain": False},
                **kwargs)
     prompt = [{"prompt_token_ids": [letter] * 12}]
     for regex in ("a{3,14}", "[a-z]{2,9}b?"):
@@ -108,7 +111,8 @@ def test_bundled_model_as_its_own_draft_warm_start_compiles_nothing_and_every_gu
 
     from compiled_llm.bundled_model import bundled_gguf_path
 
-    draft = {"method": "draft_model", "model": str(bundled_gguf_path()), "num_speculative_tokens": 4}
+    draft = {"method": "draft_model", "model": str(bundled_gguf_path()), "num_speculative_tokens": 4,
+             "measure_gain": False}
     settings = dict(max_model_len=1024, kv_cache_memory_bytes=128 << 20)
     out = subprocess.run(["compiled-llm", "precompile", "--max-model-len", "1024", "--speculative-config",
                           json.dumps(draft), "--json"], capture_output=True, text=True, timeout=900)

@@ -25,9 +25,11 @@ def test_sampled_tokens_follow_the_same_distribution(small_vocab_llama, method):
     """draft_model: the model is its own draft, proposing its greedy tokens."""
     kwargs = dict(optimization_level=0, max_model_len=128, kv_cache_memory_bytes=32 << 20, max_num_seqs=256)
     base = LLM(small_vocab_llama, **kwargs)
-    config = ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    config = ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+               "measure_gain": False}
               if method == "ngram"
-              else {"method": "draft_model", "model": small_vocab_llama, "num_speculative_tokens": 3})
+              else {"method": "draft_model", "model": small_vocab_llama, "num_speculative_tokens": 3,
+                    "measure_gain": False})
     spec = LLM(small_vocab_llama, speculative_config=config, **kwargs)
     # The model's own greedy text, which it tends to loop in: proposals from it are often accepted.
     greedy = base.generate([{"prompt_token_ids": SEED_PROMPT}], SamplingParams(max_tokens=40, temperature=0.0,
