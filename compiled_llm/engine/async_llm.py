@@ -97,39 +97,59 @@ class RequestStream:
 class AsyncLLM:
     def __init__(
         self, config: EngineConfig, engine_timeout_s: float = 120.0, stream_interval: int = 1,
-        engine: EngineHandle | None = None, client_index: int = 0,
+        engine: EngineHandle | None = None, client_index: int = 0, wait_ready: bool = True,
     ) -> None:
         """`stream_interval`: streamed (delta) requests get their tokens in events of this many
         (the first and the last event excepted): fewer writes and wake-ups per token, coarser ITL.
-        `engine`, `client_index`: an engine core that another process started, shared by several
-        API server processes, and this one's place among them (default: start our own engine)."""
+        `engine`, `client_index`: an engine core started already (by this process, or by another
+        one for several API server processes to share), and this one's place among them (default:
+        start our own engine). `wait_ready=False`: return while the engine still loads; call
+        `wait_ready()` before serving (the caller's own start-up overlaps the engine's)."""
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}.")
         self.stream_interval = stream_interval
         self.config = config
         self.model_config = config.model_config
-        self.tokenizer = get_tokenizer(config.model_config.tokenizer)
-        self.processor = Processor(self.model_config, self.tokenizer, config.scheduler_config.policy)
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self.metrics = EngineMetrics(self.model_config.served_model_name, self.model_config.max_model_len,
-                                     config.parallel_config.data_parallel_size)
+        # One engine core process, or a data-parallel group of them behind this frontend. A single
+        # engine starts first, so that it loads the model while this process loads the tokenizer.
+        single = config.parallel_config.data_parallel_size == 1
+        client = (AsyncMPClient(config, engine_timeout_s, engine=engine, client_index=client_index, wait_ready=False)
+                  if single else None)
+        try:
+            self.tokenizer = get_tokenizer(config.model_config.tokenizer)
+            self.processor = Processor(self.model_config, self.tokenizer, config.scheduler_config.policy)
+            self.output_processor = OutputProcessor(self.tokenizer)
+            self.metrics = EngineMetrics(self.model_config.served_model_name, self.model_config.max_model_len,
+                                         config.parallel_config.data_parallel_size)
+            if client is None:
+                client = DPAsyncMPClient(config, engine_timeout_s)
+        except BaseException:
+            if client is not None:
+                client.shutdown()
+            raise
+        self.client: AsyncMPClient | DPAsyncMPClient = client
         self.output_processor.on_output = self.metrics.on_output
         # One thread: HF tokenizers are not meant to be used from several threads at once.
         self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
         # Structured outputs constraints are parsed in their own thread (xgrammar releases the GIL):
         # a costly one never holds up other requests' tokenization.
         self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-check")
-        # One engine core process, or a data-parallel group of them behind this frontend.
-        self.client: AsyncMPClient | DPAsyncMPClient = (
-            DPAsyncMPClient(config, engine_timeout_s) if config.parallel_config.data_parallel_size > 1
-            else AsyncMPClient(config, engine_timeout_s, engine=engine, client_index=client_index)
-        )
-        self.metrics.record_cache_config(config.cache_config, getattr(self.client, "num_blocks", None),
-                                         config.parallel_config.data_parallel_size)
-        # Started once the engine is up, so that they load while the server starts.
-        self.chat_renderer = ChatTemplateRenderer(config.model_config.tokenizer)
+        self.chat_renderer: ChatTemplateRenderer | None = None
         self._streams: dict[str, RequestStream] = {}
         self._handler: asyncio.Task | None = None
+        if wait_ready:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Block until the engine is ready; `EngineStartupError` (and the engine stopped) if not."""
+        if self.chat_renderer is not None:
+            return
+        if isinstance(self.client, AsyncMPClient):  # a data-parallel group waited for its engines
+            self.client.wait_ready()
+        self.metrics.record_cache_config(self.config.cache_config, getattr(self.client, "num_blocks", None),
+                                         self.config.parallel_config.data_parallel_size)
+        # Started once the engine is up, so that they load while the server starts.
+        self.chat_renderer = ChatTemplateRenderer(self.config.model_config.tokenizer)
 
     @classmethod
     def from_engine_args(
@@ -274,6 +294,7 @@ class AsyncLLM:
         the tokenizer's own (BOS) on top of what the template wrote (off: templates write them).
         Raises `ChatTemplateError` (a ValueError) when the template fails and ValueError when the
         text cannot fit."""
+        assert self.chat_renderer is not None, "wait_ready() first"
         text = await self.chat_renderer.render(
             messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt, **template_kwargs
         )
@@ -314,6 +335,7 @@ class AsyncLLM:
             self._handler.cancel()
         self._end_streams(EngineDeadError("The engine was shut down."))
         self.client.shutdown()
-        self.chat_renderer.shutdown()
+        if self.chat_renderer is not None:
+            self.chat_renderer.shutdown()
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         self._grammar_pool.shutdown(wait=False, cancel_futures=True)

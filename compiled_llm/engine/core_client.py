@@ -21,7 +21,6 @@ import zmq
 import zmq.asyncio
 
 from compiled_llm.config import EngineConfig
-from compiled_llm.core.engine_core import EngineCore
 from compiled_llm.engine.engine_process import EngineHandle, EngineProcess, EngineStartupError
 from compiled_llm.logger import init_logger
 from compiled_llm.messages.engine_core import EngineCoreOutputs, EngineCoreRequest, RequestType, UtilityRequest
@@ -42,6 +41,9 @@ class InprocClient:
     """The engine core in this process, stepped by the caller (offline `LLM`)."""
 
     def __init__(self, config: EngineConfig) -> None:
+        # Imported here: a server's process, which runs the engine in another, never needs it.
+        from compiled_llm.core.engine_core import EngineCore
+
         self.engine_core = EngineCore(config)
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -133,7 +135,7 @@ class AsyncMPClient:
         self.num_blocks = handshake.num_blocks or None  # the KV cache's blocks (metrics' cache_config_info)
         if not self.engine.owns_engine:
             return  # its owner started it and said so
-        total = time.perf_counter() - self._started
+        total = time.perf_counter() - getattr(self.engine, "started_at", self._started)
         logger.info(
             "Engine core %d (pid %d) ready in %.1f s: process start and imports %.1f s, weights %.1f s, "
             "KV cache %.1f s, compile or warm-up %.1f s.",

@@ -16,13 +16,14 @@ import os
 import select
 import shutil
 import signal
+import sys
 import tempfile
+import time
 from typing import Any, Protocol
 
 import msgspec
 
 from compiled_llm.config import EngineConfig
-from compiled_llm.core.core_proc import run_engine_core
 from compiled_llm.logger import init_logger
 from compiled_llm.messages.engine_core import Handshake
 
@@ -79,29 +80,70 @@ def _stop_engine(proc: multiprocessing.process.BaseProcess, conn: Any, folder: s
     shutil.rmtree(folder, ignore_errors=True)
 
 
+def _engine_main(client_end: Any, *args: Any) -> None:
+    """The engine process's entry point. A forked child first closes its copy of the client's end
+    of the pipe (holding it, it would never see the client go). The engine's own modules (the
+    worker, the models, Dynamo) are imported here, never by the client's process."""
+    if client_end is not None:
+        client_end.close()
+    from compiled_llm.core.core_proc import run_engine_core
+
+    run_engine_core(*args)
+
+
+def fork_is_safe(config: EngineConfig) -> bool:
+    """Whether the engine may be forked from this process rather than spawned: on a CPU only, with
+    CUDA not initialised here, where the platform forks. The caller vouches for the rest: that
+    this process has run no torch computation yet (a forked child of a process whose OpenMP
+    threads ran hangs in its first parallel region) and holds no sockets or threads the engine
+    must not inherit. `compiled-llm serve` forks before anything else starts."""
+    if config.torch_device.type != "cpu" or "fork" not in multiprocessing.get_all_start_methods():
+        return False
+    import torch
+
+    return not torch.cuda.is_initialized()
+
+
 class EngineProcess:
-    """The engine core in a local process (spawned), reached over two `ipc://` sockets in a temp
-    folder. Start-up handshake over a pipe, whose end of file also tells the engine that its
-    client is gone; death is the process's sentinel."""
+    """The engine core in a local process, reached over two `ipc://` sockets in a temp folder.
+    Start-up handshake over a pipe, whose end of file also tells the engine that its client is
+    gone; death is the process's sentinel.
+
+    Spawned by default. `fork=True` (where `fork_is_safe`): forked, so that the child starts with
+    what this process imported already (torch, transformers, the config: seconds of a start)."""
 
     owns_engine = True
 
-    def __init__(self, config: EngineConfig, engine_index: int = 0) -> None:
+    def __init__(self, config: EngineConfig, engine_index: int = 0, fork: bool = False) -> None:
         self._config = config
         self._engine_index = engine_index
+        self._fork = fork and fork_is_safe(config)
         self._folder = tempfile.mkdtemp(prefix="compiled-llm-")
         self.input_address = f"ipc://{self._folder}/input"
         self.output_bind_address = f"ipc://{self._folder}/output"
         self.proc: multiprocessing.process.BaseProcess | None = None
+        self._output_address: str | list[str] | None = None
 
     def start(self, output_address: str | list[str]) -> None:
-        """`output_address`: the client's output socket, or one per client (several API servers)."""
-        mp = multiprocessing.get_context("spawn")
+        """`output_address`: the client's output socket, or one per client (several API servers).
+        Starting again with the same address does nothing: the engine may be started before its
+        client exists (its output socket queues until the client binds), for the two to overlap."""
+        if self.proc is not None:
+            if output_address != self._output_address:
+                raise ValueError(f"The engine was started to send to {self._output_address}, not {output_address}.")
+            return
+        self._output_address = output_address
+        self.started_at = time.perf_counter()  # for the start-up line: the process may predate its client
+        if self._fork:  # else the child would write out this process's buffered output again
+            for stream in (sys.stdout, sys.stderr):
+                stream.flush()
+        mp = multiprocessing.get_context("fork" if self._fork else "spawn")
         self._conn, child_conn = mp.Pipe()
         self.proc = mp.Process(
-            target=run_engine_core,
+            target=_engine_main,
             name="EngineCore",
-            args=(self._config, self.input_address, output_address, child_conn, self._engine_index),
+            args=(self._conn if self._fork else None, self._config, self.input_address, output_address, child_conn,
+                  self._engine_index),
         )
         self.proc.start()
         child_conn.close()

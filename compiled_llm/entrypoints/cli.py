@@ -7,9 +7,13 @@ import argparse
 import dataclasses
 import sys
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from compiled_llm import __version__
+
+if TYPE_CHECKING:
+    from compiled_llm.engine.arg_utils import EngineArgs
+    from compiled_llm.entrypoints.openai.server_args import ServerArgs
 
 
 @dataclass(frozen=True)
@@ -40,14 +44,42 @@ def _run_serve(args: argparse.Namespace) -> int:
 
             status = run_api_server_group(server_args, engine_args)
         else:
-            from compiled_llm.entrypoints.openai.api_server import run_server
-
-            status = run_server(server_args, engine_args)
+            status = _serve_one(server_args, engine_args)
     except KeyboardInterrupt:  # a signal while the engine starts
         status = 130
     # The server's clean-up is done (the engine and every worker process joined): the process ends
     # here, without a teardown of its heap that would add a second or more to every stop.
     exit_without_teardown(status)
+
+
+def _serve_one(server_args: ServerArgs, engine_args: EngineArgs) -> int:
+    """One API server process. Its engine core starts first, forked where that is safe, before
+    this process imports the server stack (FastAPI, the tokenizer's transformers pieces): the two
+    load side by side, and the engine inherits what was imported for the config (torch among it)."""
+    import signal
+
+    from compiled_llm.engine.engine_process import EngineProcess
+    from compiled_llm.logger import init_logger
+
+    # Until uvicorn installs its own handlers, SIGTERM unwinds like Ctrl-C, so the engine is stopped.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        config = engine_args.create_engine_config()
+    except (ValueError, OSError) as e:  # a bad model folder or setting, said plainly
+        init_logger(__name__).error("%s", e)
+        return 1
+    engine = None
+    if config.parallel_config.data_parallel_size == 1:
+        # Nothing in this process has computed with torch or started a thread of its own yet.
+        engine = EngineProcess(config, fork=True)
+        engine.start(engine.output_bind_address)
+    try:
+        from compiled_llm.entrypoints.openai.api_server import run_server
+    except BaseException:
+        if engine is not None:
+            engine.stop()
+        raise
+    return run_server(server_args, engine_args, config, engine)
 
 
 def _add_generate_args(parser: argparse.ArgumentParser) -> None:

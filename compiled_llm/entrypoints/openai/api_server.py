@@ -25,9 +25,11 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from compiled_llm import __version__
+from compiled_llm.config import EngineConfig
 from compiled_llm.engine.arg_utils import EngineArgs
 from compiled_llm.engine.async_llm import AsyncLLM
 from compiled_llm.engine.core_client import EngineStartupError
+from compiled_llm.engine.engine_process import EngineHandle
 from compiled_llm.engine.metrics import exposition
 from compiled_llm.entrypoints.openai.errors import (
     RequestTooLarge,
@@ -304,16 +306,30 @@ def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
     return uvloop.new_event_loop
 
 
-def run_server(server_args: ServerArgs, engine_args: EngineArgs) -> int:
+def run_server(
+    server_args: ServerArgs, engine_args: EngineArgs, config: EngineConfig | None = None,
+    engine_core: EngineHandle | None = None,
+) -> int:
     """`compiled-llm serve` with one API server process: 0 after a clean shutdown, 1 when the
-    engine failed to start or died."""
+    engine failed to start or died. `config`, `engine_core`: the config made from `engine_args`
+    and its engine core, started already (the CLI starts it before importing this module)."""
     # Until uvicorn installs its own handlers, SIGTERM unwinds like Ctrl-C, so the engine is joined.
     signal.signal(signal.SIGTERM, raise_keyboard_interrupt)
+    engine: AsyncLLM | None = None
     try:
-        engine = AsyncLLM.from_engine_args(engine_args, server_args.engine_timeout, server_args.stream_interval)
-    except (EngineStartupError, ValueError, OSError) as e:  # a bad model folder or setting, said plainly
-        logger.error("%s", e)
-        return 1
+        engine = AsyncLLM(config or engine_args.create_engine_config(), server_args.engine_timeout,
+                          server_args.stream_interval, engine=engine_core, wait_ready=False)
+        # While the engine loads: this process's start-up heap is made (the server stack, the
+        # tokenizer), so the collection that freezes it is off the path to ready.
+        freeze_gc_heap()
+        engine.wait_ready()
+    except BaseException as e:
+        if engine is not None:
+            engine.shutdown()
+        if isinstance(e, (EngineStartupError, ValueError, OSError)):  # a bad model folder or setting, said plainly
+            logger.error("%s", e)
+            return 1
+        raise
     return serve_engine(engine, server_args)
 
 
