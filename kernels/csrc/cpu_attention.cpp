@@ -4,8 +4,8 @@
 // They read the paged cache in place (no gather into a contiguous copy) and do a whole batch in
 // one call, which is what makes decode fast on a CPU: the torch path spends most of a decode
 // layer on gathers and per-op overhead. A request with a few query tokens reads each cached row
-// once for all of them: through the prefill kernel's tiles and online softmax, 5 tokens over a
-// 900-token context cost about 7x a one-token decode. Longer prefills have their own kernel
+// once for all of them; the prefill kernel's tiles and online softmax took 1.6-1.8x as long for 5
+// tokens over a 900-token context of SmolLM2. Longer prefills have their own kernel
 // (cpu_prefill_attention.cpp).
 //
 // Layouts: query/key/value [tokens, heads, head_dim] (head_dim contiguous); key_cache and
@@ -56,40 +56,6 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
   }
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-// Scores of R query rows (q[r], D floats) against keys kb + i * token_stride, i in [0, n), into
-// s[r][i]. Four keys at a time for all R rows: 4 R independent accumulators hide the FMA latency
-// (one row's four, as a one-token decode had, left the FMA units half idle) and each key vector
-// loaded serves R rows.
-template <int D, int R>
-inline void score_rows(const float* const* q, float* const* s, const float* kb, int64_t token_stride, int64_t n,
-                       float scale) {
-  int64_t i = 0;
-  for (; i + 4 <= n; i += 4) {
-    const float* k0 = kb + i * token_stride;
-    const float *k1 = k0 + token_stride, *k2 = k1 + token_stride, *k3 = k2 + token_stride;
-    __m256 a[R][4];
-    for (int r = 0; r < R; r++)
-      for (int t = 0; t < 4; t++) a[r][t] = _mm256_setzero_ps();
-    for (int c = 0; c < D / 8; c++) {
-      const __m256 x0 = _mm256_loadu_ps(k0 + 8 * c), x1 = _mm256_loadu_ps(k1 + 8 * c),
-                   x2 = _mm256_loadu_ps(k2 + 8 * c), x3 = _mm256_loadu_ps(k3 + 8 * c);
-      for (int r = 0; r < R; r++) {
-        const __m256 qr = _mm256_loadu_ps(q[r] + 8 * c);
-        a[r][0] = _mm256_fmadd_ps(qr, x0, a[r][0]);
-        a[r][1] = _mm256_fmadd_ps(qr, x1, a[r][1]);
-        a[r][2] = _mm256_fmadd_ps(qr, x2, a[r][2]);
-        a[r][3] = _mm256_fmadd_ps(qr, x3, a[r][3]);
-      }
-    }
-    for (int r = 0; r < R; r++)
-      _mm_storeu_ps(s[r] + i, _mm_mul_ps(hsum4(a[r][0], a[r][1], a[r][2], a[r][3]), _mm_set1_ps(scale)));
-  }
-  for (; i < n; i++)
-    for (int r = 0; r < R; r++) s[r][i] = dot(q[r], kb + i * token_stride, D) * scale;
-}
-#endif
-
 // Decode attention of one request's query tokens (q_len of them, q_stride floats apart) for KV
 // heads [h0, h1) over context positions [p0, p1) (p0 a multiple of block_size). Query token j
 // sees positions below seq_len - q_len + j + 1 (causal). `out` holds, for each token
@@ -123,44 +89,39 @@ void decode_range(const float* q_req, int64_t q_stride, float* out, int64_t out_
       for (int64_t off = 0; off < bytes; off += 64)
         __builtin_prefetch(base + i * token_stride * static_cast<int64_t>(sizeof(float)) + off);
   };
-  // Each KV head's query rows, (token, head in the group) order: the pointers to them and to
-  // their scores.
-  const int64_t head_rows = q_len * group;
-  thread_local std::vector<const float*> q_ptr;
-  thread_local std::vector<float*> s_ptr;
-  q_ptr.resize(static_cast<size_t>(rows));
-  s_ptr.resize(static_cast<size_t>(rows));
-  for (int64_t h = h0; h < h1; h++)
-    for (int64_t j = 0; j < q_len; j++)
-      for (int64_t g = 0; g < group; g++) {
-        const int64_t i = (h - h0) * head_rows + j * group + g;
-        q_ptr[i] = q_req + j * q_stride + (h * group + g) * D;
-        s_ptr[i] = scores.data() + (j * heads + (h - h0) * group + g) * len;
-      }
   prefetch_block(kc, b0);
-  // Scores, of every position of the range for every row: those past a row's causal limit (the
-  // last q_len - 1 positions at most) are computed and left out of its softmax.
+  // Scores.
   for (int64_t b = b0; b < b1; b++) {
     const float* kb = kc + table[b] * block_stride;
-    const int64_t pos = b * block_size, n = std::min(block_size, p1 - pos);
+    const int64_t first = b * block_size - p0, block_n = std::min(block_size, p1 - b * block_size);
     prefetch_block(kc, b + 1);
     for (int64_t h = h0; h < h1; h++) {
-      const float* const* q = q_ptr.data() + (h - h0) * head_rows;
-      float* s[3];
-      for (int64_t r0 = 0; r0 < head_rows; r0 += 3) {
-        const int64_t count = std::min<int64_t>(3, head_rows - r0);
-        for (int64_t r = 0; r < count; r++) s[r] = s_ptr[(h - h0) * head_rows + r0 + r] + (pos - p0);
+      for (int64_t j = 0; j < q_len; j++) {
+        const int64_t n = std::min(block_n, visible(j) - first);
+        if (n <= 0) continue;
+        for (int64_t g = 0; g < group; g++) {
+          const int64_t row = j * heads + (h - h0) * group + g;
+          const float* q = q_req + j * q_stride + (h * group + g) * D;
+          float* s = scores.data() + row * len + first;
+          int64_t i = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-        if (count == 3)
-          score_rows<D, 3>(q + r0, s, kb + h * D, token_stride, n, scale);
-        else if (count == 2)
-          score_rows<D, 2>(q + r0, s, kb + h * D, token_stride, n, scale);
-        else
-          score_rows<D, 1>(q + r0, s, kb + h * D, token_stride, n, scale);
-#else
-        for (int64_t r = 0; r < count; r++)
-          for (int64_t i = 0; i < n; i++) s[r][i] = dot(q[r0 + r], kb + i * token_stride + h * D, D) * scale;
+          __m256 qv[D / 8];
+          for (int k = 0; k < D / 8; k++) qv[k] = _mm256_loadu_ps(q + 8 * k);
+          for (; i + 4 <= n; i += 4) {
+            const float* k0 = kb + i * token_stride + h * D;
+            const float *k1 = k0 + token_stride, *k2 = k1 + token_stride, *k3 = k2 + token_stride;
+            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+            for (int k = 0; k < D / 8; k++) {
+              a0 = _mm256_fmadd_ps(qv[k], _mm256_loadu_ps(k0 + 8 * k), a0);
+              a1 = _mm256_fmadd_ps(qv[k], _mm256_loadu_ps(k1 + 8 * k), a1);
+              a2 = _mm256_fmadd_ps(qv[k], _mm256_loadu_ps(k2 + 8 * k), a2);
+              a3 = _mm256_fmadd_ps(qv[k], _mm256_loadu_ps(k3 + 8 * k), a3);
+            }
+            _mm_storeu_ps(s + i, _mm_mul_ps(hsum4(a0, a1, a2, a3), _mm_set1_ps(scale)));
+          }
 #endif
+          for (; i < n; i++) s[i] = dot(q, kb + i * token_stride + h * D, D) * scale;
+        }
       }
     }
   }
