@@ -76,7 +76,7 @@ class DraftModelProposer:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         mc = self.config.model_config
         shape = (mc.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, mc.head_dim)
-        kv = torch.zeros(shape, dtype=mc.dtype, device=self.device)
+        kv = kv_cache_sizing.allocate_kv_cache(shape, mc.dtype, self.device)
         for layer, cache in zip(self.attention_layers, kv.unbind(0)):
             layer.kv_cache = cache
         logger.info("Draft KV cache: %d blocks (%.2f GiB).", num_blocks, kv.numel() * kv.element_size() / (1 << 30))

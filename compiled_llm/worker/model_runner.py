@@ -148,7 +148,7 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         mc = self.config.model_config
         shape = (mc.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, mc.head_dim)
-        kv = torch.zeros(shape, dtype=mc.dtype, device=self.device)
+        kv = kv_cache_sizing.allocate_kv_cache(shape, mc.dtype, self.device)
         self.kv_caches = list(kv.unbind(0))
         for layer, cache in zip(self.attention_layers, self.kv_caches):
             layer.kv_cache = cache
