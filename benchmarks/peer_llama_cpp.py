@@ -239,7 +239,9 @@ class Worker:
         common = dict(model_path=path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False)
         self.plain = Llama(**common)
         self.draft = RecordingLookup()
-        self.lookup = Llama(**common, draft_model=self.draft)
+        # logits_all: llama-cpp-python verifies drafts from its scores array, which holds only n_batch
+        # rows otherwise (a prompt longer than n_batch then fails to broadcast into it).
+        self.lookup = Llama(**common, draft_model=self.draft, logits_all=True)
         return {"load_s": time.perf_counter() - t, "n_batch": self.plain.n_batch,
                 "draft_defaults": {"num_pred_tokens": LlamaPromptLookupDecoding().num_pred_tokens,
                                    "max_ngram_size": LlamaPromptLookupDecoding().max_ngram_size}}

@@ -152,7 +152,7 @@ def main() -> None:
     if missing:
         print(f"llama.cpp: {missing}: its columns stay empty")
     else:
-        peer = peer_llama_cpp.LlamaCppLookupPeer(bundled_gguf_path(), threads, n_ctx=2048)
+        peer = peer_llama_cpp.LlamaCppLookupPeer(bundled_gguf_path(), threads, n_ctx=8192)
         default_k = peer.info["draft_defaults"]["num_pred_tokens"]
         # label -> num_pred_tokens (0: plain); max_ngram_size stays at its default
         lookups = {"llama.cpp": 0, f"lookup n={default_k}": default_k}
