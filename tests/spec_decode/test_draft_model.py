@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from compiled_llm import LLM, SamplingParams
-from tests.spec_decode.test_ngram_e2e import REPEATING, assert_blocks_free, make_llm, steps, tokens
+from tests.spec_decode.test_ngram_e2e import REPEATING, abort_mid_flight, assert_blocks_free, make_llm, steps, tokens
 
 OTHERS = [[3, 9, 1, 14, 2], [7] * 9, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2]]
 
@@ -95,17 +95,7 @@ def test_preemption_prefix_caching_n_and_stops(base, small_vocab_llama, other_sm
 
 def test_aborts_mid_flight_free_every_block(small_vocab_llama):
     spec = make_llm(small_vocab_llama, draft_spec(small_vocab_llama))
-    engine = spec.llm_engine
-    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
-    for i, prompt in enumerate(REPEATING):
-        engine.add_request(f"abort-{i}", {"prompt_token_ids": prompt}, params)
-    for _ in range(5):
-        engine.step()
-    assert engine.engine_core.scheduler.spec_totals.num_drafts > 0
-    engine.abort_request([f"abort-{i}" for i in range(len(REPEATING))])
-    while engine.has_unfinished_requests():
-        engine.step()
-    assert_blocks_free(spec)
+    abort_mid_flight(spec, steps_before=5)
     # The rows the aborted requests held serve new ones unchanged.
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     assert tokens(spec, OTHERS, params) == tokens(make_llm(small_vocab_llama, None), OTHERS, params)

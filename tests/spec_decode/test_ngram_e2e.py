@@ -150,19 +150,24 @@ def test_tensor_parallel_ranks_take_in_the_drivers_verdict(small_vocab_llama):
         tp.llm_engine.engine_core.shutdown()
 
 
-def test_aborts_mid_flight_free_every_block(pair):
-    _, spec = pair
+def abort_mid_flight(spec: LLM, steps_before: int = 6) -> None:
+    """Start REPEATING, run a few steps (drafts verified), abort them all, and check every KV block
+    is free once the engine has drained."""
     engine = spec.llm_engine
     params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(REPEATING):
         engine.add_request(f"abort-{i}", {"prompt_token_ids": prompt}, params)
-    for _ in range(6):
+    for _ in range(steps_before):
         engine.step()
     assert engine.engine_core.scheduler.spec_totals.num_drafts > 0
     engine.abort_request([f"abort-{i}" for i in range(len(REPEATING))])
     while engine.has_unfinished_requests():
         engine.step()
     assert_blocks_free(spec)
+
+
+def test_aborts_mid_flight_free_every_block(pair):
+    abort_mid_flight(pair[1])
 
 
 def test_requests_with_penalties_are_not_speculated_and_share_steps_unchanged(pair):
