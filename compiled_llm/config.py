@@ -380,8 +380,9 @@ class SpeculativeConfig:
     # is no longer bound by reading the weights, and verifying guesses costs compute (None: always).
     disable_by_batch_size: int | None = None
     # Measure, per batch size, whether steps with drafts yield more tokens per second than steps
-    # without, and speculate only where they do (spec_decode/gain.py).
-    measure_gain: bool = True
+    # without, and speculate only where they do (spec_decode/gain.py). Off by default: on a short
+    # batch-1 workload its learning and probes cost more than they saved (72-80 against 89-92 tok/s).
+    measure_gain: bool = False
     model: str | None = None  # draft_model: the draft's folder or .gguf file
     quantization: str | None = None  # draft_model: the draft's weight format (None: as its checkpoint has it)
     draft_model_config: ModelConfig | None = None

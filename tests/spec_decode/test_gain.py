@@ -50,7 +50,7 @@ def test_a_scheduler_fed_step_times_stops_proposing_where_drafts_do_not_pay():
     from tests.spec_decode.test_scheduler_spec import BLOCK, add, finish
 
     s = Scheduler(SchedulerConfig(4, 64, 512), CacheConfig(block_size=BLOCK), 256,
-                  SpeculativeConfig("ngram", 3, 1, 3))
+                  SpeculativeConfig("ngram", 3, 1, 3, measure_gain=True))
     add(s, "a", [5, 6, 7] * 3, max_tokens=200)
     with_drafts = []
     while s.has_unfinished_requests():
