@@ -141,7 +141,7 @@ class EngineCore:
             runner_output = self.executor.execute_model(scheduler_output, self._grammar_bitmask(scheduler_output))
             seconds = time.perf_counter() - started
             step_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-            self.scheduler.record_step_time(scheduler_output, sum(len(o.new_token_ids) for o in step_outputs), seconds)
+            self.scheduler.record_step_time(scheduler_output, step_outputs, seconds)
             outputs += step_outputs
         return EngineCoreOutputs(outputs, self._stats(), time.time())
 

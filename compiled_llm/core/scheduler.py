@@ -371,16 +371,17 @@ class Scheduler:
             self._remove_stopped(stopped)
         return outputs
 
-    def record_step_time(self, scheduler_output: SchedulerOutput, num_output_tokens: int, seconds: float) -> None:
+    def record_step_time(self, scheduler_output: SchedulerOutput, outputs: list[EngineCoreOutput],
+                         seconds: float) -> None:
         """How long a step took and what it yielded: decode-only steps tell `spec_gain` whether
-        speculation pays at their batch size."""
+        speculation pays at their batch size (nothing is counted without it)."""
         if self.spec_gain is None or scheduler_output.scheduled_new_reqs:
             return
         drafts = scheduler_output.scheduled_spec_decode_tokens
         if any(n != 1 + len(drafts.get(rid, ())) for rid, n in scheduler_output.num_scheduled_tokens.items()):
             return  # a prompt chunk's time says nothing of decoding
-        self.spec_gain.record(len(scheduler_output.num_scheduled_tokens), self._step_speculates, num_output_tokens,
-                              seconds)
+        self.spec_gain.record(len(scheduler_output.num_scheduled_tokens), self._step_speculates,
+                              sum(len(o.new_token_ids) for o in outputs), seconds)
 
     def _roll_back_rejected(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """The step computed KV for all `num_drafts` drafts; only the accepted ones' entries hold.
