@@ -29,7 +29,17 @@ TIMEOUT = 60
 
 
 def processes(server: RemoteServer, title: str) -> list[psutil.Process]:
-    return [p for p in psutil.Process(server.proc.pid).children(recursive=True) if title in " ".join(p.cmdline())]
+    """The server's descendants whose command line has `title`. A child may end between the
+    listing and the read of its command line (a short-lived worker, or one already a zombie):
+    it is not one of those looked for, so it is skipped rather than raised (that failed a run)."""
+    found = []
+    for child in psutil.Process(server.proc.pid).children(recursive=True):
+        try:
+            if title in " ".join(child.cmdline()):
+                found.append(child)
+        except psutil.NoSuchProcess:  # ZombieProcess included
+            continue
+    return found
 
 
 def listening_api_servers(server: RemoteServer) -> list[psutil.Process]:
