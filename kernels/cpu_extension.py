@@ -1,5 +1,5 @@
 """Builds and loads the C++ CPU kernels (kernels/csrc: paged decode and prefill attention, the
-packed-weight linear, and linears over quantized and 16-bit weights) once per machine.
+packed-weight linear, linears over quantized and 16-bit weights, batched LoRA) once per machine.
 
 The build (about a minute) lands under the user cache dir, keyed by the sources, the torch version
 and the CPU's feature flags, and is shared by every later process on the machine. Without a
@@ -20,7 +20,8 @@ logger = logging.getLogger("compiled_llm.kernels")
 
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / "cpu_attention.cpp", _CSRC / "cpu_prefill_attention.cpp", _CSRC / "cpu_attention_step.cpp",
-            _CSRC / "cpu_gemm.cpp", _CSRC / "cpu_quant_gemm.cpp", _CSRC / "cpu_half_gemm.cpp"]
+            _CSRC / "cpu_gemm.cpp", _CSRC / "cpu_quant_gemm.cpp", _CSRC / "cpu_half_gemm.cpp",
+            _CSRC / "cpu_lora.cpp"]
 _HEADERS = [_CSRC / "simd.h", _CSRC / "parallel.h", _CSRC / "vec.h", _CSRC / "huge_pages.h", _CSRC / "panel_gemm.h",
             _CSRC / "widen.h"]
 # -march=native: the kernels pick their vector width (AVX2 or AVX-512) from the CPU they are built
@@ -72,6 +73,14 @@ def _register_fakes() -> None:
     @torch.library.register_fake("compiled_llm_cpu::half_linear")
     def _half_linear_fake(x, packed, bias, out_features):
         return x.new_empty(*x.shape[:-1], out_features)
+
+    @torch.library.register_fake("compiled_llm_cpu::lora_shrink")
+    def _lora_shrink_fake(x, lora_a, indices):
+        return x.new_empty(x.shape[0], lora_a.shape[1])
+
+    @torch.library.register_fake("compiled_llm_cpu::lora_expand")
+    def _lora_expand_fake(y, t, lora_b, scalings, indices, slices):
+        return torch.empty_like(y, memory_format=torch.contiguous_format)
 
 
 @lru_cache(maxsize=1)
