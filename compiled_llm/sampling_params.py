@@ -75,6 +75,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # Logprobs of each prompt token (given the tokens before it), with this many top candidates.
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's logprob_token_ids: the logprobs of these token ids at each step, in place of the top
+    # `logprobs` alternatives (the first `logprobs` of them; a fixed label set, as classifiers score).
+    logprob_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -128,6 +131,14 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if self.prompt_logprobs is not None and self.prompt_logprobs < -1:
             raise bad("prompt_logprobs", "must be non-negative, or -1 for the whole vocabulary")
         self._verify_logit_bias()
+        if self.logprob_token_ids is not None:
+            ids = self.logprob_token_ids
+            if not ids or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= _INT64_MAX for t in ids):
+                raise bad("logprob_token_ids", "must be a non-empty list of non-negative token ids")
+            if self.logprobs is None:
+                raise bad("logprobs", "must be set with logprob_token_ids (how many of them to return)")
+            if self.logprobs > len(ids):
+                raise bad("logprobs", f"must be at most the number of logprob_token_ids ({len(ids)})")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise bad("stop", "must hold non-empty strings")
         if any(not isinstance(t, int) or not 0 <= t <= _INT64_MAX for t in self.stop_token_ids):
@@ -153,6 +164,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         bad = [t for t in self.logit_bias or {} if t >= vocab_size]
         if bad:
             raise ValueError(f"logit_bias holds token id {bad[0]}, outside the vocabulary (size {vocab_size}).")
+        bad = [t for t in self.logprob_token_ids or () if t >= vocab_size]
+        if bad:
+            raise ValueError(f"logprob_token_ids holds token id {bad[0]}, out of vocabulary (size {vocab_size}).")
         k = self.prompt_logprobs
         if k is not None and max_logprobs >= 0 and (k == -1 or k > max_logprobs):
             wanted = "the whole vocabulary (-1)" if k == -1 else k

@@ -80,7 +80,7 @@ class EngineCore:
             raise ValueError(f"The prompt is {len(ids)} tokens long, more than max_model_len={mc.max_model_len}.")
         if min(ids) < 0 or max(ids) >= mc.vocab_size:
             bad = next(t for t in ids if not 0 <= t < mc.vocab_size)
-            raise ValueError(f"Token id {bad} is out of the vocabulary (size {mc.vocab_size}).")
+            raise ValueError(f"Token id {bad} is out of vocabulary (vocabulary size {mc.vocab_size}).")
         params = request.sampling_params
         if params.n != 1:
             raise ValueError(f"The engine runs one sequence per request (the frontend fans out n), got n={params.n}.")

@@ -93,7 +93,7 @@ class Processor:
             )
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"Token id {bad[0]} is out of the vocabulary (size {self.vocab_size}).")
+            raise ValueError(f"Token id {bad[0]} is out of vocabulary (vocabulary size {self.vocab_size}).")
         bad = [t for t in params.stop_token_ids or [] if t >= self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids holds {bad[0]}, outside the vocabulary (size {self.vocab_size}).")

@@ -97,7 +97,7 @@ class RejectionSampler:
         pos_j = torch.from_numpy(np.arange(int(counts.sum())) - np.repeat(starts, counts)).to(device)
         at_pos = tokens[pos_req, pos_j].clamp(min=0)
         assert meta.max_num_logprobs is not None
-        lp = self.sampler.gather_logprobs(raw_logprobs, at_pos, meta.max_num_logprobs)
+        lp = self.sampler.gather_logprobs(raw_logprobs, at_pos, meta.max_num_logprobs, meta)
         return RejectionOutput(tokens, lp.logprob_token_ids, lp.logprobs, lp.sampled_ranks)
 
     def _sample_final(

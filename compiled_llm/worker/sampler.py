@@ -56,6 +56,10 @@ class SamplingMetadata:
     logit_bias_rows: torch.Tensor | None = None
     logit_bias_token_ids: torch.Tensor | None = None
     logit_bias_values: torch.Tensor | None = None
+    # logprob_token_ids: rows [C] whose alternatives are the token ids they chose ([C, k], each row's
+    # ids padded with its last one), not the top k; None when nobody asks.
+    chosen_logprob_rows: torch.Tensor | None = None
+    chosen_logprob_ids: torch.Tensor | None = None
 
 
 @dataclass
@@ -73,7 +77,7 @@ class Sampler:
         sampled = self.sample(self.adjust_logits(logits, meta), meta)
         if raw_logprobs is None:
             return SamplerOutput(sampled)
-        return self.gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs)
+        return self.gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs, meta)
 
     def adjust_logits(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """Logit bias, penalties and the tokens banned before min_tokens, on float32 logits (in place
@@ -161,11 +165,20 @@ class Sampler:
         return probs.div(q).argmax(dim=-1)
 
     @staticmethod
-    def gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor, k: int) -> SamplerOutput:
+    def gather_logprobs(
+        raw_logprobs: torch.Tensor, sampled: torch.Tensor, k: int, meta: SamplingMetadata | None = None
+    ) -> SamplerOutput:
+        """The sampled token's logprob and rank, then k alternatives: the top k, or for the rows that
+        chose theirs (`logprob_token_ids`) those tokens."""
         sampled_lp = raw_logprobs.gather(1, sampled.unsqueeze(1))
         ranks = (raw_logprobs > sampled_lp).sum(dim=-1) + 1
         if k > 0:
             top_lp, top_ids = raw_logprobs.topk(k, dim=-1)
+            if meta is not None and meta.chosen_logprob_rows is not None:
+                assert meta.chosen_logprob_ids is not None
+                rows, chosen = meta.chosen_logprob_rows, meta.chosen_logprob_ids[:, :k]
+                top_ids[rows, : chosen.shape[1]] = chosen
+                top_lp[rows, : chosen.shape[1]] = raw_logprobs[rows].gather(1, chosen)
             ids = torch.cat([sampled.unsqueeze(1), top_ids], dim=1)
             lps = torch.cat([sampled_lp, top_lp], dim=1)
         else:

@@ -38,6 +38,9 @@ class SamplingState:
         self.has_logit_bias = np.zeros(n, dtype=bool)
         self.logit_bias_ids: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * n
         self.logit_bias_values: list[np.ndarray] = [np.zeros(0, dtype=np.float32)] * n
+        # logprob_token_ids: the tokens whose logprobs a row returns instead of the top k.
+        self.has_chosen_logprobs = np.zeros(n, dtype=bool)
+        self.chosen_logprob_ids: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * n
         self.counts_tokens = np.zeros(n, dtype=bool)  # presence/frequency (counts) or repetition (seen)
         self.has_generator = np.zeros(n, dtype=bool)
         self.generators: dict[int, SeededRNG] = {}
@@ -67,6 +70,9 @@ class SamplingState:
         if params.logit_bias:
             self.logit_bias_ids[row] = np.fromiter(params.logit_bias.keys(), dtype=np.int64)
             self.logit_bias_values[row] = np.fromiter(params.logit_bias.values(), dtype=np.float32)
+        self.has_chosen_logprobs[row] = bool(params.logprob_token_ids)
+        if params.logprob_token_ids:
+            self.chosen_logprob_ids[row] = np.asarray(params.logprob_token_ids, dtype=np.int64)
         self.counts_tokens[row] = bool(
             params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0
         )
@@ -103,6 +109,7 @@ class SamplingState:
         self.has_generator[row] = False
         self.counts_tokens[row] = False
         self.has_logit_bias[row] = False
+        self.has_chosen_logprobs[row] = False
         self.num_logprobs[row] = -1
 
     # ---- one step ---------------------------------------------------------------------------
@@ -139,6 +146,13 @@ class SamplingState:
         num_logprobs = int(self.num_logprobs[rows].max(initial=-1))
         meta.max_num_logprobs = None if num_logprobs < 0 else num_logprobs
         self._penalties(rows, meta)
+        choosing = np.flatnonzero(self.has_chosen_logprobs[rows])
+        if len(choosing) and meta.max_num_logprobs:
+            width = meta.max_num_logprobs
+            chosen = [self.chosen_logprob_ids[int(rows[i])] for i in choosing]
+            padded = np.stack([np.pad(ids, (0, width - len(ids)), mode="edge")[:width] for ids in chosen])
+            meta.chosen_logprob_rows = self._tensor(choosing)
+            meta.chosen_logprob_ids = self._tensor(padded)
         biased = np.flatnonzero(self.has_logit_bias[rows])
         if len(biased):
             biased_rows = rows[biased].tolist()

@@ -79,7 +79,7 @@ def test_out_of_vocabulary_token_is_refused_and_the_engine_lives(engine):
         return await outputs_until(client, {"huge-id", "top-k", "no-prompt", "many-logprobs", "fine"})
 
     results = loop.run_until_complete(main())
-    assert results["huge-id"][1:] == ("error", "Token id 1000000000 is out of the vocabulary (size 49152).")
+    assert results["huge-id"][1:] == ("error", "Token id 1000000000 is out of vocabulary (vocabulary size 49152).")
     assert results["top-k"][1] == "error" and "top_k" in results["top-k"][2]
     assert results["no-prompt"][1] == "error" and "empty" in results["no-prompt"][2]
     assert results["many-logprobs"][1] == "error" and "logprobs" in results["many-logprobs"][2]
@@ -90,7 +90,7 @@ def test_out_of_vocabulary_token_is_refused_and_the_engine_lives(engine):
 def test_in_process_engine_refuses_with_a_named_problem(tiny_llama):
     core = InprocClient(config(tiny_llama))
     bad = EngineCoreRequest("x", [1, 10**9], SamplingParams(max_tokens=2), time.time())
-    with pytest.raises(ValueError, match="out of the vocabulary"):
+    with pytest.raises(ValueError, match="out of vocabulary"):
         core.add_request(bad)
     too_long = EngineCoreRequest("y", [1] * 300, SamplingParams(max_tokens=2), time.time())
     with pytest.raises(ValueError, match="max_model_len"):

@@ -15,6 +15,7 @@ from remote_server import RemoteServer
 API_SERVER_FLAGS = [
     "-O1", "--require-cache-hit", "--max-model-len", "1024", "--kv-cache-memory-bytes", str(256 << 20),
     "--max-num-seqs", "32", "--served-model-name", "smol", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+    "--enable-prompt-tokens-details",
 ]
 
 

@@ -34,7 +34,7 @@ def client() -> TestClient:
 def test_a_body_no_api_takes_is_a_400(client, body):
     response = client.post("/invocations", content=body, headers={"content-type": "application/json"})
     assert response.status_code == 400, response.text
-    assert response.json()["error"]["type"] == "invalid_request_error"
+    assert response.json()["error"]["type"] == "BadRequestError"
 
 
 def test_each_api_gets_its_body(client):

@@ -60,7 +60,7 @@ def post(server, path: str, body) -> httpx.Response:
 def assert_openai_error(response: httpx.Response, status: int, param: str | None, *words: str) -> dict:
     assert response.status_code == status, response.text
     error = response.json()["error"]
-    assert set(error) == ERROR_KEYS and error["type"] == "invalid_request_error", error
+    assert set(error) == ERROR_KEYS and error["type"] == "BadRequestError", error
     assert error["param"] == param, error
     for word in words:
         assert word in error["message"], error["message"]
@@ -179,7 +179,8 @@ def server_error_in(response: httpx.Response) -> str | None:
         error = response.json().get("error")
         if not isinstance(error, dict) or set(error) != ERROR_KEYS or not isinstance(error["message"], str):
             return f"{response.status_code} not in OpenAI's error shape: {response.text[:300]}"
-    elif response.headers.get("content-type", "").startswith("text/event-stream") and "server_error" in response.text:
+    elif (response.headers.get("content-type", "").startswith("text/event-stream")
+          and "InternalServerError" in response.text):
         return f"a stream that ended in a server error: {response.text[-300:]}"
     return None
 

@@ -123,3 +123,29 @@ def test_every_int64_seed_is_its_own_stream():
         draws.append(tuple(generator.standard_exponential(4).tolist()))
         batch.remove(f"s{i}")
     assert len(set(draws)) == len(draws)
+
+
+@settings(max_examples=30, deadline=None)
+@given(chosen=st.lists(st.one_of(st.none(), st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=4)),
+                       min_size=1, max_size=5),
+       seed=st.integers(0, 2**16))
+def test_logprob_token_ids_replace_the_top_k(chosen, seed):
+    """Rows with logprob_token_ids return those ids' logprobs (their first `logprobs`), the others
+    the top k, in one batch."""
+    torch.manual_seed(seed)
+    n = len(chosen)
+    batch = InputBatch(8, 64, 4, "cpu", VOCAB, EOS)
+    ks = [len(ids) if ids else 3 for ids in chosen]
+    rows = []
+    for i, ids in enumerate(chosen):
+        params = SamplingParams(temperature=0.0, logprobs=ks[i], logprob_token_ids=ids)
+        rows.append(batch.add(NewRequestData(f"r{i}", [5, 6], 2, params, [1], 0)))
+    meta = batch.sampling.metadata(np.array(rows), np.zeros(n, dtype=np.int64))
+    logits = torch.randn(n, VOCAB)
+    out = Sampler()(logits, meta)
+    raw = logits.log_softmax(-1)
+    for i, ids in enumerate(chosen):
+        got_ids = out.logprob_token_ids[i, 1 : 1 + ks[i]].tolist()
+        expected = ids if ids else raw[i].topk(3).indices.tolist()
+        assert got_ids == expected
+        torch.testing.assert_close(out.logprobs[i, 1 : 1 + ks[i]], raw[i, expected])

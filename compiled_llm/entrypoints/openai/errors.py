@@ -6,6 +6,7 @@ A user's mistake is a 4xx with a message that says what to change; only our own 
 from __future__ import annotations
 
 import json
+from http import HTTPStatus
 
 from fastapi import FastAPI, Request
 from fastapi import HTTPException as FastAPIHTTPException
@@ -19,8 +20,15 @@ from compiled_llm.logger import init_logger
 
 logger = init_logger(__name__)
 
-_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error", 503: "server_error"}
+
+def error_type(status: int) -> str:
+    """vLLM's `type` for a status, which its clients and tests match: BadRequestError, NotFoundError,
+    InternalServerError, ... (the status's phrase)."""
+    try:
+        name = HTTPStatus(status).phrase.replace(" ", "").replace("-", "")
+    except ValueError:
+        return "BadRequestError" if status < 500 else "InternalServerError"
+    return name if name.endswith("Error") else name + "Error"
 
 
 class RequestTooLarge(FastAPIHTTPException):  # FastAPI re-raises its own from body parsing
@@ -41,7 +49,7 @@ class OpenAIError(Exception):
 
 
 def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> ErrorResponse:
-    return ErrorResponse(error=ErrorInfo(message=message, type=_TYPES.get(status, "invalid_request_error"),
+    return ErrorResponse(error=ErrorInfo(message=message, type=error_type(status),
                                          param=param, code=code))
 
 
@@ -71,7 +79,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     parts = []
     for err in errors:
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-        parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')}")
+        # pydantic's error type too (less_than_equal, missing, ...), as vLLM's messages carry it.
+        parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')} [type={err.get('type')}]")
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     return "Invalid request: " + "; ".join(parts), (".".join(loc) or None)
 

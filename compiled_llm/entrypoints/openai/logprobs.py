@@ -77,16 +77,24 @@ def echo_logprobs(
     return result
 
 
-def chat_logprobs(output: CompletionOutput, num_top: int, as_ids: bool = False) -> ChatLogProbs:
+def chat_logprobs(
+    output: CompletionOutput, num_top: int, as_ids: bool = False, chosen: list[int] | None = None
+) -> ChatLogProbs:
+    """`chosen`: the request's logprob_token_ids, which are the alternatives (in their order) in
+    place of the best `num_top`."""
     content = []
     for token_id, entry in zip(output.token_ids, output.logprobs or []):
         sampled = entry[token_id]
         text = sampled.decoded_token or ""
+        if chosen:
+            alternatives = [(tid, entry[tid]) for tid in chosen[:num_top] if tid in entry]
+        else:
+            alternatives = [(tid, lp) for tid, lp in sorted(entry.items(), key=lambda kv: kv[1].rank or 0)
+                            if lp.rank is not None and lp.rank <= num_top]
         top = [
             ChatLogProbsTop(token=_token(tid, lp.decoded_token, as_ids), logprob=_finite(lp.logprob),
                             bytes=list((lp.decoded_token or "").encode()))
-            for tid, lp in sorted(entry.items(), key=lambda kv: kv[1].rank or 0)
-            if lp.rank is not None and lp.rank <= num_top
+            for tid, lp in alternatives
         ]
         content.append(ChatLogProbsContent(
             token=_token(token_id, text, as_ids), logprob=_finite(sampled.logprob), bytes=list(text.encode()),

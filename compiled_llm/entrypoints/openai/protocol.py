@@ -203,12 +203,18 @@ class StructuredOutputsRequest(OpenAIBaseModel):
 
 
 def _logit_bias_keys(value: dict[str, float] | None) -> dict[str, float] | None:
-    for key, bias in (value or {}).items():
-        # ASCII digits only: str.isdigit also takes "²", which int() does not.
-        if not (key.strip().isascii() and key.strip().isdigit()):
-            raise ValueError(f"keys must be token ids (integers, as strings), got {key!r}")
-        if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
-            raise ValueError(f"values must be in [-100, 100], got {bias} for token {key}")
+    """Every bad entry named at once, so one round trip fixes them all."""
+    # ASCII digits only: str.isdigit also takes "²", which int() does not.
+    bad_keys = [key for key in value or {} if not (key.strip().isascii() and key.strip().isdigit())]
+    bad_values = [f"{bias} for token {key}" for key, bias in (value or {}).items()
+                  if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT]
+    problems = []
+    if bad_keys:
+        problems.append(f"keys must be token ids (integers, as strings), got {', '.join(map(repr, bad_keys))}")
+    if bad_values:
+        problems.append(f"values must be in [-100, 100], got {', '.join(bad_values)}")
+    if problems:
+        raise ValueError("; ".join(problems))
     return value
 
 
@@ -221,7 +227,7 @@ class SamplingRequest(RequestModel):
         "modalities": (["text"],), "web_search_options": (), "verbosity": (), "reasoning_effort": (),
         # vLLM's
         "use_beam_search": (False,), "length_penalty": (1, 1.0), "early_stopping": (False,),
-        "watermarking": (False,), "allowed_token_ids": (), "bad_words": (), "logprob_token_ids": (),
+        "watermarking": (False,), "allowed_token_ids": (), "bad_words": (),
         "cache_salt": (), "kv_transfer_params": (), "ec_transfer_params": (), "vllm_xargs": (),
         "repetition_detection": (), "thinking_token_budget": (-1,), "stream_interval": (1,),
         "routed_experts_prompt_start": (0,), "return_token_offsets": (False,), "return_mm_kwargs": (True,),
@@ -263,6 +269,7 @@ class SamplingRequest(RequestModel):
     truncation_side: Literal["left", "right"] | None = None  # left (default): keep the last k; right: the first
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
+    logprob_token_ids: list[TokenId] | None = None  # vLLM's: these ids' logprobs in place of the top ones
     request_id: str | None = Field(default=None, max_length=256)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -589,12 +596,30 @@ class TokenizeRequest(RequestModel):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
+    @model_serializer(mode="wrap")
+    def _leave_out_none(self, handler: Any) -> dict[str, Any]:
+        return _without_none(handler(self), ("token_ids",))
+
 
 class TokenizeResponse(OpenAIBaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
     token_strs: list[str] | None = None
+
+    @model_serializer(mode="wrap")
+    def _leave_out_none(self, handler: Any) -> dict[str, Any]:
+        return _without_none(handler(self), ("prompt_token_ids", "prompt_text"))
+
+
+def _without_none(data: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+    """A streamed chat chunk leaves out vLLM's extension fields that it does not carry, as vLLM's
+    chunks do: clients collect `token_ids` from every chunk that has the key, and expect
+    `prompt_token_ids` in the first chunk only."""
+    for name in names:
+        if data.get(name) is None:
+            data.pop(name, None)
+    return data
 
 
 class DetokenizeRequest(RequestModel):

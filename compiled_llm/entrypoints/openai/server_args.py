@@ -47,6 +47,9 @@ class ServerArgs(CliArgs):
     enable_tokenizer_info_endpoint: bool = setting(
         False, "Serve GET /tokenizer_info: the tokenizer's configuration and the chat template (off by default: "
         "it shows the template and the model's folder).", group=SERVER)
+    enable_prompt_tokens_details: bool = setting(
+        False, "Give usage.prompt_tokens_details (cached_tokens: prompt tokens served from the prefix cache) in "
+        "responses; off by default, as vLLM (clients that compare usage objects expect none).", group=SERVER)
     enable_server_load_tracking: bool = setting(
         False, "Count the requests in progress on the generation routes, for GET /load (as vLLM).", group=SERVER)
     reasoning_parser: str | None = setting(

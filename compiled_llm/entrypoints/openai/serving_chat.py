@@ -37,7 +37,6 @@ from compiled_llm.entrypoints.openai.serving_engine import (
     event_stream,
     final_output,
     json_response,
-    usage_info,
 )
 from compiled_llm.entrypoints.openai.stream_events import chat_choice, chat_chunk, content_delta, reasoning_delta
 from compiled_llm.entrypoints.openai.structured_outputs import requested_structured_outputs
@@ -182,7 +181,9 @@ class OpenAIServingChat(OpenAIServing):
             ids, text = cut, await self.engine.detokenize(cut)
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         self.check_length(len(ids), max_tokens)
-        num_top = self.logprobs_count(request.top_logprobs or 0, "top_logprobs") if request.logprobs else None
+        # With logprob_token_ids and no top_logprobs: every chosen id's logprob.
+        top = request.top_logprobs or len(request.logprob_token_ids or ())
+        num_top = self.logprobs_count(top, "top_logprobs") if request.logprobs else None
         prompt_logprobs = self.logprobs_count(request.prompt_logprobs, "prompt_logprobs", "prompt")
         params = self.sampling_params(request, max_tokens, num_top, prompt_logprobs, structured)
         request_id = f"chatcmpl-{self.base_request_id(request)}"
@@ -226,7 +227,8 @@ class OpenAIServingChat(OpenAIServing):
                 message.content = reply.echo + (message.content or "")
             choices.append(ChatCompletionResponseChoice(
                 index=c.index, message=message,
-                logprobs=chat_logprobs(c, reply.num_top, bool(request.return_tokens_as_token_ids))
+                logprobs=chat_logprobs(c, reply.num_top, bool(request.return_tokens_as_token_ids),
+                                       request.logprob_token_ids)
                 if request.logprobs else None,
                 finish_reason=reply.tools.finish_reason(c.finish_reason, called), stop_reason=c.stop_reason,
                 token_ids=list(c.token_ids) if request.return_token_ids else None,
@@ -234,7 +236,7 @@ class OpenAIServingChat(OpenAIServing):
         completion_tokens = sum(len(c.token_ids) for c in out.outputs)
         return ChatCompletionResponse(
             id=reply.request_id, model=self.served_model_name, choices=choices,
-            usage=usage_info(len(reply.prompt_token_ids), completion_tokens, out.num_cached_tokens),
+            usage=self.usage_info(len(reply.prompt_token_ids), completion_tokens, out.num_cached_tokens),
             prompt_logprobs=prompt_logprobs_out(out.prompt_logprobs) if request.prompt_logprobs is not None else None,
             prompt_token_ids=reply.prompt_token_ids if request.return_token_ids else None,
             prompt_text=reply.prompt_text if request.return_prompt_text else None,
@@ -255,7 +257,7 @@ class OpenAIServingChat(OpenAIServing):
         def usage_now() -> UsageInfo | None:
             if not request.usage_in_every_chunk:
                 return None
-            return usage_info(len(reply.prompt_token_ids), completion_tokens, cached)
+            return self.usage_info(len(reply.prompt_token_ids), completion_tokens, cached)
 
         choices = {index: _ChoiceStream(reply.tools.new_streamer(), reply.new_reasoning_streamer())
                    for index in range(request.n or 1)}
@@ -279,7 +281,8 @@ class OpenAIServingChat(OpenAIServing):
                 logprobs = None
                 if request.logprobs:
                     pending = CompletionOutput(c.index, "", state.token_ids, logprobs=state.logprobs)
-                    logprobs = chat_logprobs(pending, reply.num_top, bool(request.return_tokens_as_token_ids))
+                    logprobs = chat_logprobs(pending, reply.num_top, bool(request.return_tokens_as_token_ids),
+                                               request.logprob_token_ids)
                 called = state.streamer is not None and state.streamer.called
                 yield chunk([chat_choice(
                     c.index, delta, logprobs, reply.tools.finish_reason(c.finish_reason, called), c.stop_reason,
@@ -287,7 +290,7 @@ class OpenAIServingChat(OpenAIServing):
                 )], usage_now())
                 state.token_ids, state.logprobs = [], []
         if request.usage_in_stream:
-            yield chunk([], usage_info(len(reply.prompt_token_ids), completion_tokens, cached))
+            yield chunk([], self.usage_info(len(reply.prompt_token_ids), completion_tokens, cached))
 
     @staticmethod
     def _delta(reply: _Reply, state: _ChoiceStream, c: CompletionOutput) -> dict[str, Any] | DeltaMessage | None:

@@ -32,7 +32,6 @@ from compiled_llm.entrypoints.openai.serving_engine import (
     json_response,
     merge_streams,
     sse,
-    usage_info,
 )
 from compiled_llm.entrypoints.openai.stream_events import completion_choice, completion_chunk
 from compiled_llm.entrypoints.openai.structured_outputs import requested_structured_outputs
@@ -66,6 +65,10 @@ class CompletionPlan:
     @property
     def num_prompt_tokens(self) -> int:
         return sum(len(p.token_ids) for p in self.prompts)
+
+
+# vLLM's words, which its clients and tests match.
+EMPTY_PROMPT = "Either prompt or prompt_embeds must be provided and non-empty."
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -104,7 +107,7 @@ class OpenAIServingCompletion(OpenAIServing):
         else:
             items = list(raw)
         if not items:
-            raise OpenAIError("prompt must not be empty.", param="prompt")
+            raise OpenAIError(EMPTY_PROMPT, param="prompt")
         prompts: list[Prompt] = []
         for item in items:
             if isinstance(item, str):
@@ -112,6 +115,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 text: str | None = item
             else:
                 ids, text = list(item), None
+            if not ids:
+                raise OpenAIError(EMPTY_PROMPT, param="prompt")
             cut = self.truncate(ids, request)
             prompts.append(Prompt(cut, text if len(cut) == len(ids) else None))
         return prompts
@@ -159,7 +164,7 @@ class OpenAIServingCompletion(OpenAIServing):
         choices.sort(key=lambda c: c.index)
         return CompletionResponse(
             id=plan.request_id, model=self.served_model_name, choices=choices,
-            usage=usage_info(plan.num_prompt_tokens, completion_tokens, cached),
+            usage=self.usage_info(plan.num_prompt_tokens, completion_tokens, cached),
         )
 
     async def _echo_only(self, request: CompletionRequest, prompts: list[Prompt]) -> Response:
@@ -176,7 +181,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 ))
         num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
         response = CompletionResponse(id=f"cmpl-{self.base_request_id(request)}", model=self.served_model_name,
-                                      choices=choices, usage=usage_info(num_prompt_tokens, 0))
+                                      choices=choices, usage=self.usage_info(num_prompt_tokens, 0))
         if not request.stream:
             return JSONResponse(response.model_dump())
 
@@ -211,8 +216,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 offsets[index] = offsets.get(index, 0) + len(choice["text"])
                 usage = None
                 if request.usage_in_every_chunk:
-                    usage = usage_info(plan.num_prompt_tokens, completion_tokens, cached)
+                    usage = self.usage_info(plan.num_prompt_tokens, completion_tokens, cached)
                 yield completion_chunk(plan.request_id, created, self.served_model_name, [choice], usage)
         if request.usage_in_stream:
             yield completion_chunk(plan.request_id, created, self.served_model_name, [],
-                                   usage_info(plan.num_prompt_tokens, completion_tokens, cached))
+                                   self.usage_info(plan.num_prompt_tokens, completion_tokens, cached))

@@ -56,6 +56,10 @@ class OpenAIServing:
         self.max_model_len = engine.model_config.max_model_len
         self.token_text = TokenTexts(engine.tokenizer)
 
+    def usage_info(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> UsageInfo:
+        return usage_info(prompt_tokens, completion_tokens, cached_tokens,
+                          details=self.server_args.enable_prompt_tokens_details)
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
             raise OpenAIError(
@@ -86,8 +90,8 @@ class OpenAIServing:
                 )
         bad = [t for t in (request.logit_bias_ids() or {}) if t >= self.engine.processor.vocab_size]
         if bad:
-            raise OpenAIError(f"logit_bias names token {bad[0]}, outside the vocabulary (size "
-                              f"{self.engine.processor.vocab_size}).", param="logit_bias")
+            raise OpenAIError(f"logit_bias names token{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))}, "
+                              f"out of vocabulary (size {self.engine.processor.vocab_size}).", param="logit_bias")
 
     def logprobs_count(self, value: int | None, param: str, kind: str = "sample") -> int | None:
         """A request's logprobs count, -1 read as the whole vocabulary (vLLM's meaning), within the
@@ -161,6 +165,7 @@ class OpenAIServing:
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 logit_bias=request.logit_bias_ids(),
+                logprob_token_ids=request.logprob_token_ids,
                 structured_outputs=structured_outputs,
                 skip_special_tokens=request.skip_special_tokens,
                 spaces_between_special_tokens=request.spaces_between_special_tokens,
@@ -292,7 +297,9 @@ async def unless_disconnected(raw_request: Request, work: Awaitable[T]) -> T | N
     return None
 
 
-def usage_info(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> UsageInfo:
+def usage_info(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, *,
+               details: bool = False) -> UsageInfo:
+    """`details`: add prompt_tokens_details (the server's --enable-prompt-tokens-details)."""
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                      total_tokens=prompt_tokens + completion_tokens,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens) if details else None)

@@ -59,7 +59,7 @@ class OpenAIServingTokenization(OpenAIServingChat):
         vocab = self.engine.processor.vocab_size
         bad = [t for t in request.tokens if not 0 <= t < vocab]
         if bad:
-            raise OpenAIError(f"Token id {bad[0]} is out of the vocabulary (size {vocab}).", param="tokens")
+            raise OpenAIError(f"Token id {bad[0]} is out of vocabulary (vocabulary size {vocab}).", param="tokens")
         return DetokenizeResponse(prompt=await self.engine.detokenize(request.tokens))
 
 

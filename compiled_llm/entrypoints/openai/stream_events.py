@@ -47,19 +47,26 @@ def chat_choice(
     index: int, delta: dict[str, Any] | BaseModel, logprobs: Any = None, finish_reason: str | None = None,
     stop_reason: int | str | None = None, token_ids: list[int] | None = None,
 ) -> dict[str, Any]:
-    """A `ChatCompletionStreamChoice`."""
-    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
-            "stop_reason": stop_reason, "token_ids": token_ids}
+    """A `ChatCompletionStreamChoice` (without `token_ids` when it has none, as the model)."""
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
+              "stop_reason": stop_reason}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return choice
 
 
 def chat_chunk(
     id: str, created: int, model: str, choices: list[dict[str, Any]], usage: Any = None,
     prompt_token_ids: list[int] | None = None, prompt_text: str | None = None,
 ) -> str:
-    """The event of a `ChatCompletionChunk`."""
-    return event({"id": id, "object": "chat.completion.chunk", "created": created, "model": model,
-                  "choices": choices, "usage": usage, "prompt_token_ids": prompt_token_ids,
-                  "prompt_text": prompt_text})
+    """The event of a `ChatCompletionChunk` (the prompt's fields only where given, as the model)."""
+    fields = {"id": id, "object": "chat.completion.chunk", "created": created, "model": model,
+              "choices": choices, "usage": usage}
+    if prompt_token_ids is not None:
+        fields["prompt_token_ids"] = prompt_token_ids
+    if prompt_text is not None:
+        fields["prompt_text"] = prompt_text
+    return event(fields)
 
 
 # ---- /v1/completions --------------------------------------------------------------------------
