@@ -5,7 +5,7 @@ parsed in the Hermes format. Started once per session and shared, to keep the su
 And one on a tiny random model, uncompiled, for what does not depend on the model's words (the
 output is forced, or only its shape matters), with the optional server flags switched on: its own
 chat template, the tokenizer info and load routes, auto tool choice (Hermes), reasoning (qwen3: an
-output that does not open a <think> block is all content)."""
+output that does not open a <think> block is all content), the Responses API's store."""
 
 from __future__ import annotations
 
@@ -47,6 +47,6 @@ def tiny_api_server(tiny_llama, tmp_path_factory):
         "--served-model-name", "tiny", "--chat-template", str(template), "--enable-tokenizer-info-endpoint",
         "--enable-server-load-tracking", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
         "--reasoning-parser", "qwen3",
-    ])
+    ], env={"COMPILED_LLM_ENABLE_RESPONSES_API_STORE": "1"})
     yield server
     server.stop()

@@ -28,7 +28,8 @@ def is_alive(process: psutil.Process) -> bool:
 
 
 class RemoteServer:
-    def __init__(self, args: list[str], api_key: str | None = None) -> None:
+    def __init__(self, args: list[str], api_key: str | None = None, env: dict[str, str] | None = None) -> None:
+        """`env`: variables set for the server on top of this process's environment."""
         self.port = get_open_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -36,7 +37,7 @@ class RemoteServer:
         cmd = [sys.executable, "-m", "compiled_llm.entrypoints.cli", "serve", *args, "--port", str(self.port)]
         if api_key:
             cmd += ["--api-key", api_key]
-        env = dict(os.environ, COMPILED_LLM_NUM_THREADS=os.environ.get("COMPILED_LLM_NUM_THREADS", "2"))
+        env = dict(os.environ, COMPILED_LLM_NUM_THREADS=os.environ.get("COMPILED_LLM_NUM_THREADS", "2"), **(env or {}))
         # Its own process group, so a test can send Ctrl-C's SIGINT to the server and its engine.
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self._children: list[psutil.Process] = []

@@ -38,6 +38,13 @@ from compiled_llm.entrypoints.openai.errors import (
     install_error_handlers,
 )
 from compiled_llm.entrypoints.openai.invocations import invoke
+from compiled_llm.entrypoints.openai.pooling_protocol import (
+    ClassificationRequest,
+    EmbeddingRequest,
+    PoolingRequest,
+    RerankRequest,
+    ScoreRequest,
+)
 from compiled_llm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -46,18 +53,23 @@ from compiled_llm.entrypoints.openai.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from compiled_llm.entrypoints.openai.responses_protocol import ResponsesRequest
 from compiled_llm.entrypoints.openai.server_args import ServerArgs
 from compiled_llm.entrypoints.openai.serving_chat import OpenAIServingChat
 from compiled_llm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from compiled_llm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from compiled_llm.entrypoints.openai.serving_pooling import OpenAIServingPooling
+from compiled_llm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from compiled_llm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from compiled_llm.logger import init_logger
 from compiled_llm.utils import freeze_gc_heap
 
 logger = init_logger(__name__)
 
-_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info", "/invocations")
+_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info", "/invocations", "/pooling", "/score",
+                       "/rerank", "/v2/rerank", "/classify")
 # The routes that generate: their requests in progress are the server's load (GET /load).
-_LOAD_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/invocations"})
+_LOAD_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/invocations"})
 
 
 class APIKeyMiddleware:
@@ -180,6 +192,7 @@ def build_app(
         app.add_middleware(ServerLoadMiddleware, load=load)
     completions = OpenAIServingCompletion(engine, name, server_args)
     chat = OpenAIServingChat(engine, name, server_args)
+    responses = OpenAIServingResponses(chat)
     tokenization = OpenAIServingTokenization(engine, name, server_args)
 
     @app.get("/health")
@@ -224,10 +237,23 @@ def build_app(
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
         return await chat.create_chat_completion(request, raw_request)
 
+    @app.post("/v1/responses")
+    async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
+        return await responses.create_response(request, raw_request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> Response:
+        return responses.retrieve(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> Response:
+        return responses.delete(response_id)
+
     @app.post("/invocations")
     async def invocations(raw_request: Request) -> Response:
         return await invoke(raw_request, [(ChatCompletionRequest, chat.create_chat_completion),
-                                          (CompletionRequest, completions.create_completion)])
+                                          (CompletionRequest, completions.create_completion),
+                                          (ResponsesRequest, responses.create_response)])
 
     if server_args.enable_tokenizer_info_endpoint:
         @app.get("/tokenizer_info")
@@ -241,6 +267,33 @@ def build_app(
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> JSONResponse:
         return JSONResponse((await tokenization.detokenize(request)).model_dump())
+
+    # The pooling routes (vLLM's): a 400 naming --runner pooling on a server that generates.
+    embedding = OpenAIServingEmbedding(engine, name, server_args)
+    pooling = OpenAIServingPooling(engine, name, server_args)
+
+    @app.post("/v1/embeddings")
+    async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
+        return await embedding.create_embedding(request, raw_request)
+
+    @app.post("/pooling")
+    async def create_pooling(request: PoolingRequest, raw_request: Request) -> Response:
+        return await pooling.create_pooling(request, raw_request)
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def create_score(request: ScoreRequest, raw_request: Request) -> Response:
+        return await pooling.create_score(request, raw_request)
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    async def do_rerank(request: RerankRequest, raw_request: Request) -> Response:
+        return await pooling.do_rerank(request, raw_request)
+
+    @app.post("/classify")
+    async def create_classify(request: ClassificationRequest, raw_request: Request) -> Response:
+        return await pooling.create_classify(request, raw_request)
 
     return app
 

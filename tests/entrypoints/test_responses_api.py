@@ -1,0 +1,238 @@
+"""The Responses API (`POST /v1/responses`) with the official `openai` client against real servers:
+the bundled model (greedy text equal to chat completions' on the same messages, streamed events in
+order adding up to the whole text, JSON output, function calls and their outputs, the 400s, the
+store off by default) and the tiny random model with the store on (`previous_response_id`, GET,
+DELETE)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from compiled_llm.entrypoints.openai.responses_protocol import OutputMessage, OutputText, ResponsesResponse
+from compiled_llm.entrypoints.openai.responses_store import ResponsesStore
+
+openai = pytest.importorskip("openai")
+jsonschema = pytest.importorskip("jsonschema")
+
+TIMEOUT = 600  # generous: CI machines are shared
+QUESTION = "Name three colours."
+INSTRUCTIONS = "Answer in one short sentence."
+ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 1000},
+                                        "b": {"type": "integer", "minimum": 0, "maximum": 1000}},
+       "required": ["a", "b"]}
+TOOLS = [{"type": "function", "name": "add", "description": "Add two numbers.", "parameters": ADD}]
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def async_client(server) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=TIMEOUT)
+
+
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=TIMEOUT)
+
+
+def test_text_equals_chat_completions(api_server):
+    """Greedy: the same words as chat completions on the same messages, whichever way the input
+    and the instructions are spelled; usage counts the same tokens."""
+    system = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": QUESTION}]
+    as_items = [{"type": "message", "role": "developer", "content": INSTRUCTIONS},
+                {"role": "user", "content": [{"type": "input_text", "text": QUESTION}]}]
+
+    async def main() -> tuple[Any, ...]:
+        c = async_client(api_server)
+        common = {"model": "smol", "temperature": 0}
+        return await asyncio.gather(
+            c.responses.create(input=QUESTION, max_output_tokens=24, metadata={"k": "v"}, **common),
+            c.chat.completions.create(messages=[{"role": "user", "content": QUESTION}], max_tokens=24, **common),
+            c.responses.create(input=QUESTION, instructions=INSTRUCTIONS, max_output_tokens=24, **common),
+            c.responses.create(input=as_items, max_output_tokens=24, **common),
+            c.chat.completions.create(messages=system, max_tokens=24, **common),
+        )
+
+    plain, chat_plain, instructed, items, chat_system = asyncio.run(main())
+    for response, chat in ((plain, chat_plain), (instructed, chat_system), (items, chat_system)):
+        assert response.object == "response" and response.id.startswith("resp_") and response.model == "smol"
+        assert response.output_text == chat.choices[0].message.content
+        assert [o.type for o in response.output] == ["message"]
+        incomplete = chat.choices[0].finish_reason == "length"
+        assert response.status == ("incomplete" if incomplete else "completed")
+        assert response.output[0].status == response.status
+        usage = response.usage
+        assert (usage.input_tokens, usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
+        assert usage.total_tokens == usage.input_tokens + usage.output_tokens
+        assert usage.output_tokens_details.reasoning_tokens == 0
+    assert plain.metadata == {"k": "v"} and instructed.instructions == INSTRUCTIONS
+    assert plain.output_text != instructed.output_text or plain.usage.input_tokens != instructed.usage.input_tokens
+
+
+def _collect(events: list[Any]) -> dict[str, Any]:
+    """The event types, and the text and arguments the deltas add up to."""
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    arguments = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    return {"types": [e.type for e in events], "text": text, "arguments": arguments, "last": events[-1]}
+
+
+def test_streamed_events(api_server):
+    c = client(api_server)
+    kwargs = {"model": "smol", "input": QUESTION, "instructions": INSTRUCTIONS, "temperature": 0}
+    whole = c.responses.create(max_output_tokens=40, **kwargs)
+    streamed = _collect(list(c.responses.create(stream=True, max_output_tokens=40, **kwargs)))
+    deltas = streamed["types"].count("response.output_text.delta")
+    assert deltas >= 2
+    assert streamed["types"] == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        *["response.output_text.delta"] * deltas, "response.output_text.done", "response.content_part.done",
+        "response.output_item.done", "response.completed",
+    ]
+    final = streamed["last"].response
+    assert streamed["text"] == final.output_text == whole.output_text
+    assert final.status == whole.status and final.usage.output_tokens == whole.usage.output_tokens
+
+    with c.responses.stream(max_output_tokens=3, **kwargs) as stream:  # the client's own accumulation
+        done = [e for e in stream if e.type == "response.output_text.done"]
+        cut = stream.get_final_response()
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+    assert cut.usage.output_tokens == 3 and cut.output[0].status == "incomplete"
+    assert done[0].text == cut.output_text and cut.output_text
+
+
+def test_json_output(api_server):
+    async def main() -> list[Any]:
+        c = async_client(api_server)
+        common = {"model": "smol", "input": "Invent a person.", "temperature": 0, "max_output_tokens": 80}
+        return await asyncio.gather(
+            c.responses.create(text={"format": {"type": "json_schema", "name": "person", "schema": PERSON,
+                                                "strict": True}}, **common),
+            c.responses.create(text={"format": {"type": "json_object"}}, **common),
+        )
+
+    schema, anything = asyncio.run(main())
+    jsonschema.validate(json.loads(schema.output_text), PERSON)
+    assert schema.text.format.type == "json_schema" and schema.text.format.schema_ == PERSON
+    # Any object: SmolLM2 may still be inside a string value when the budget runs out.
+    assert anything.output_text.startswith("{")
+    assert anything.status == "incomplete" or isinstance(json.loads(anything.output_text), dict)
+
+
+def test_function_call_and_its_output(api_server):
+    c = client(api_server)
+    common = {"model": "smol", "tools": TOOLS, "temperature": 0, "max_output_tokens": 60}
+    question = {"role": "user", "content": "What is 2 plus 3?"}
+    called = c.responses.create(input=[question], tool_choice="required", parallel_tool_calls=False, **common)
+    assert [o.type for o in called.output] == ["function_call"]
+    call = called.output[0]
+    assert call.name == "add" and call.call_id.startswith("call_") and call.status == "completed"
+    jsonschema.validate(json.loads(call.arguments), ADD)
+
+    named = {"type": "function", "name": "add"}
+    streamed = _collect(list(c.responses.create(input=[question], tool_choice=named, stream=True, **common)))
+    assert streamed["types"][2] == "response.output_item.added" and streamed["types"][-3:] == [
+        "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    streamed_call = streamed["last"].response.output[0]
+    assert streamed_call.type == "function_call" and streamed_call.arguments == streamed["arguments"]
+    jsonschema.validate(json.loads(streamed["arguments"]), ADD)
+
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "5"}
+    answered = c.responses.create(input=[question, call.model_dump(exclude_none=True), result], tool_choice="none",
+                                  **common)
+    assert [o.type for o in answered.output] == ["message"] and answered.output_text
+    assert answered.usage.input_tokens > called.usage.input_tokens  # the call and its result are in the prompt
+
+
+def _error(call) -> tuple[int, dict[str, Any]]:
+    with pytest.raises(openai.APIStatusError) as e:
+        call()
+    return e.value.status_code, e.value.body
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"background": True}, "background"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"tools": [*TOOLS, {"type": "file_search", "vector_store_ids": ["v"]}]}, "tools[1].type"),
+    ({"tools": [{"type": "mcp", "server_label": "x", "server_url": "http://x"}]}, "tools[0].type"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
+     "input[0].content[0].type"),
+    ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
+    ({"input": []}, "input"),
+    ({"tools": TOOLS, "tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+    ({"tools": [{"type": "function", "parameters": ADD}]}, "tools[0].name"),
+])
+def test_what_is_not_served_is_a_400(api_server, fields, param):
+    c = client(api_server)
+    status, body = _error(lambda: c.responses.create(**{"model": "smol", "input": "hi", **fields}))
+    assert status == 400 and body["param"] == param and body["message"], body
+
+
+def test_store_is_off_by_default(api_server):
+    """As vLLM: `store: true` is accepted and nothing is kept."""
+    c = client(api_server)
+    response = c.responses.create(model="smol", input="hi", max_output_tokens=2, store=True)
+    assert response.store is False
+    for call in (lambda: c.responses.retrieve(response.id), lambda: c.responses.delete(response.id),
+                 lambda: c.responses.create(model="smol", input="hi", previous_response_id=response.id)):
+        status, body = _error(call)
+        assert status == 404 and response.id in body["message"]
+
+
+def test_previous_response_get_and_delete(tiny_api_server):
+    c = client(tiny_api_server)
+    first = c.responses.create(model="tiny", input="Hello", instructions="Be kind.", max_output_tokens=5,
+                               temperature=0)
+    assert first.store is True
+    assert c.responses.retrieve(first.id).model_dump() == first.model_dump()
+    second = c.responses.create(model="tiny", input="Again", previous_response_id=first.id, max_output_tokens=5,
+                                temperature=0)
+    assert second.previous_response_id == first.id
+    # The prompt: the first input and output, then the new input; the old instructions are not kept.
+    messages = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": first.output_text},
+                {"role": "user", "content": "Again"}]
+    tokenized = httpx.post(tiny_api_server.url + "/tokenize", json={"model": "tiny", "messages": messages},
+                           timeout=TIMEOUT).json()
+    assert second.usage.input_tokens == tokenized["count"]
+
+    with c.responses.stream(model="tiny", input="Once more", previous_response_id=second.id,
+                            max_output_tokens=5) as stream:
+        third = stream.get_final_response()
+    assert c.responses.retrieve(third.id).output_text == third.output_text
+    c.responses.delete(first.id)
+    for call in (lambda: c.responses.retrieve(first.id), lambda: c.responses.delete(first.id)):
+        assert _error(call)[0] == 404
+    # Each response keeps its whole conversation: a continuation outlives the responses before it.
+    fourth = c.responses.create(model="tiny", input="And?", previous_response_id=second.id, max_output_tokens=2)
+    assert fourth.usage.input_tokens > second.usage.input_tokens
+    unstored = c.responses.create(model="tiny", input="hi", store=False, max_output_tokens=2)
+    assert unstored.store is False and _error(lambda: c.responses.retrieve(unstored.id))[0] == 404
+
+
+def test_invocations_takes_a_responses_body(tiny_api_server):
+    body = {"model": "tiny", "input": "hi", "max_output_tokens": 2}
+    answer = httpx.post(tiny_api_server.url + "/invocations", json=body, timeout=TIMEOUT).json()
+    assert answer["object"] == "response" and answer["usage"]["output_tokens"] == 2
+
+
+def test_store_evicts_least_recently_used():
+    def response(i: int) -> ResponsesResponse:
+        message = OutputMessage(content=[OutputText(text="x" * 100)])
+        return ResponsesResponse(id=f"resp_{i}", model="m", output=[message])
+
+    one = len(response(0).model_dump_json())
+    store = ResponsesStore(max_bytes=3 * one)
+    for i in range(3):
+        assert store.put(response(i), [])
+    assert store.get("resp_0") is not None  # now the most recently used
+    store.put(response(3), [])
+    assert store.get("resp_1") is None and store.get("resp_0") is not None and len(store) == 3
+    assert store.size <= store.max_bytes
+    assert not store.put(response(4), [{"text": "y" * 4 * one}])  # alone over the limit: not kept
+    assert store.get("resp_4") is None
