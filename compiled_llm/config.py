@@ -148,6 +148,46 @@ def rope_parameters(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
     return float(theta), scaling
 
 
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+RUNNERS = ("auto", "generate", "pooling")
+CONVERTS = ("auto", "none", "embed", "classify")
+
+
+@dataclass
+class PoolerConfig:
+    """How a pooling runner turns a prompt's hidden states into one vector (vLLM's PoolerConfig,
+    `--pooler-config` JSON). An embed-converted decoder defaults to LAST and normalize: its last
+    token is the only one that has attended to the whole prompt."""
+
+    pooling_type: str = "LAST"
+    normalize: bool = True
+
+    def __post_init__(self) -> None:
+        self.pooling_type = str(self.pooling_type).upper()
+        if self.pooling_type not in POOLING_TYPES:
+            raise ValueError(f"pooler_config: unknown pooling_type {self.pooling_type!r}; known: "
+                             f"{', '.join(POOLING_TYPES)}.")
+        if not isinstance(self.normalize, bool):
+            raise ValueError(f"pooler_config: normalize must be true or false, got {self.normalize!r}.")
+
+    @property
+    def supports_prefix_caching(self) -> bool:
+        """Only LAST: a cached block's positions are not computed again, so their hidden states
+        (every one for MEAN, the first for CLS) would be missing; the last token never is cached."""
+        return self.pooling_type == "LAST"
+
+    @classmethod
+    def from_dict(cls, spec: dict[str, Any] | PoolerConfig | None) -> PoolerConfig:
+        if spec is None or isinstance(spec, PoolerConfig):
+            return spec or cls()
+        if not isinstance(spec, dict):
+            raise ValueError(f"pooler_config must be a JSON object (a dict), got {type(spec).__name__}.")
+        unknown = sorted(set(spec) - {"pooling_type", "normalize"})
+        if unknown:
+            raise ValueError(f"pooler_config: unknown field(s) {', '.join(unknown)}; known: normalize, pooling_type.")
+        return cls(**spec)
+
+
 @dataclass
 class ModelConfig:
     model: str  # a local Hugging Face folder, or a .gguf file
@@ -164,6 +204,8 @@ class ModelConfig:
     load_format: str = "auto"  # "auto": the folder's safetensors; "dummy": random weights (no checkpoint)
     quantization: str | None = None  # the weight format (QUANTIZATION_NAMES), None: as the checkpoint has it
     quantization_options: dict[str, Any] = field(default_factory=dict)  # e.g. int4's {"group_size": 32}
+    runner: str = "generate"  # "generate": sample tokens; "pooling": one pooled vector per prompt
+    pooler_config: PoolerConfig | None = None  # the pooling runner's (None when generating)
 
     @property
     def architecture(self) -> str:

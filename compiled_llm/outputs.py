@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 
 @dataclass
 class Logprob:
@@ -80,3 +82,67 @@ class RequestOutput:
         self.num_cached_tokens = next_output.num_cached_tokens
         self.metrics = next_output.metrics
 
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's result: its pooled vector (float32)."""
+
+    data: torch.Tensor
+
+
+@dataclass
+class PoolingRequestOutput:
+    """What `LLM.encode` and a pooling engine hand back (vLLM's name and fields)."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+    num_cached_tokens: int = 0
+    prompt: str | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @classmethod
+    def from_base(cls, output: PoolingOutput) -> EmbeddingOutput:
+        if output.data.dim() != 1:
+            raise ValueError(f"An embedding is one vector; this output has shape {tuple(output.data.shape)}.")
+        return cls(output.data.tolist())
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What `LLM.embed` hands back: `outputs.embedding`, a list of floats."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        return cls(output.request_id, EmbeddingOutput.from_base(output.outputs), output.prompt_token_ids,
+                   output.finished)
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """What `LLM.score` hands back: `outputs.score` for one pair of texts."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]  # both texts' tokens
+    finished: bool

@@ -24,7 +24,8 @@ SOURCE_ROOTS = {ROOT / "compiled_llm": "compiled_llm", ROOT / "compilation": "co
 # What any layer may use: the logger and small utilities.
 FOUNDATION = frozenset({"logger", "utils"})
 # The settings and values every layer shares (CompilationConfig is part of the engine's config).
-SHARED = FOUNDATION | {"config", "compilation.config", "sampling_params", "structured_output_spec", "outputs",
+SHARED = FOUNDATION | {"config", "compilation.config", "sampling_params", "pooling_params", "structured_output_spec",
+                       "outputs",
                        "bundled_model",  # the default model: where its files are
                        "gguf_file"}  # a GGUF file as MODEL: its config and tokenizer, its checked tables
 
@@ -39,10 +40,11 @@ ALLOWED: dict[str, frozenset[str]] = {
     "quantization": SHARED | {"kernels", "distributed"},  # the weight formats the models' linears ask for
     "spec_decode": FOUNDATION,  # proposers: pure functions of a request's tokens
     "distributed": FOUNDATION,
-    "messages": FOUNDATION | {"sampling_params"},
+    "messages": FOUNDATION | {"sampling_params", "pooling_params"},
     "config": FOUNDATION | {"compilation.config", "gguf_file"},  # a .gguf MODEL's config and tokenizer folder
     "compilation.config": FOUNDATION | {"compilation"},  # its defaults come from the cache and the passes
     "sampling_params": FOUNDATION,
+    "pooling_params": FOUNDATION,
     "structured_output_spec": FOUNDATION | {"sampling_params"},  # what a request's constraint becomes
     "outputs": FOUNDATION,
     "bundled_model": FOUNDATION,

@@ -81,6 +81,12 @@ class EngineCore:
         if min(ids) < 0 or max(ids) >= mc.vocab_size:
             bad = next(t for t in ids if not 0 <= t < mc.vocab_size)
             raise ValueError(f"Token id {bad} is out of vocabulary (vocabulary size {mc.vocab_size}).")
+        pooling = mc.runner == "pooling"
+        if (request.pooling_params is not None) != pooling:
+            raise ValueError("This engine runs the pooling runner: it embeds prompts and generates no text."
+                             if pooling else "This engine generates text: pooling (embeddings) needs --runner pooling.")
+        if request.pooling_params is not None:
+            request.pooling_params.verify(mc.hf_config.hidden_size, mc.hf_config)
         params = request.sampling_params
         if params.n != 1:
             raise ValueError(f"The engine runs one sequence per request (the frontend fans out n), got n={params.n}.")
@@ -104,6 +110,7 @@ class EngineCore:
             request.arrival_time,
             request.priority,
             request.parent_id,
+            request.pooling_params,
         )
         if self.structured_outputs is not None and request.request_id in self.structured_outputs:
             raise ValueError(f"request id {request.request_id!r} is already in use")

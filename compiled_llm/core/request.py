@@ -7,6 +7,7 @@ import time
 from typing import TYPE_CHECKING
 
 from compiled_llm.core.block_hash import BlockHash, hash_block_tokens
+from compiled_llm.pooling_params import PoolingParams
 from compiled_llm.sampling_params import SamplingParams
 from compiled_llm.spec_decode.backoff import AcceptanceBackoff
 from compiled_llm.spec_decode.ngram import NgramIndex
@@ -44,8 +45,11 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         parent_id: str = "",
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
+        # A pooling request: finished once its prompt is computed, with the pooled vector and no token.
+        self.pooling_params = pooling_params
         # Requests with one parent (the samples of an `n > 1` request) share the running slots of one.
         self.group = parent_id or request_id
         self.prompt_token_ids = prompt_token_ids

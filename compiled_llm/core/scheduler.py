@@ -41,7 +41,7 @@ from compiled_llm.core.kv_cache_manager import KVCacheManager
 from compiled_llm.core.request import Request, RequestStatus
 from compiled_llm.core.request_queue import make_request_queue
 from compiled_llm.messages.engine_core import EngineCoreOutput, SchedulerStats, SpecDecodingStats
-from compiled_llm.messages.runner_output import LogprobsLists, ModelRunnerOutput
+from compiled_llm.messages.runner_output import LogprobsLists, ModelRunnerOutput, PooledTensor
 from compiled_llm.messages.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from compiled_llm.spec_decode.gain import SpeculationGain
 from compiled_llm.spec_decode.ngram import NgramIndex
@@ -279,6 +279,7 @@ class Scheduler:
                 request.sampling_params,
                 self.kv.block_ids(request.request_id),
                 num_hit,
+                request.pooling_params,
             )
         )
         return True
@@ -367,9 +368,25 @@ class Scheduler:
             outputs.append(self._accept_sampled(request, sampled, runner_output))
             if request.status.finished:
                 stopped.append(request)
+        for rid, pooled in runner_output.pooler_output.items():
+            request = self.requests.get(rid)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                outputs.append(self._finish_pooled(request, pooled))
+                stopped.append(request)
         if stopped:
             self._remove_stopped(stopped)
         return outputs
+
+    def _finish_pooled(self, request: Request, pooled: PooledTensor) -> EngineCoreOutput:
+        """A pooling request whose prompt is computed is done: its vector is the result, and its
+        blocks go back (hashed ones stay cached for the next prompt with the same prefix)."""
+        request.status = RequestStatus.FINISHED_STOPPED
+        out = EngineCoreOutput(request.request_id, [], finish_reason="stop",
+                               num_cached_tokens=max(request.num_cached_tokens, 0),
+                               scheduled_time=request.first_scheduled_time or 0.0,
+                               num_preemptions=request.num_preemptions, pooling_output=pooled)
+        request.first_scheduled_time = None
+        return out
 
     def record_step_time(self, scheduler_output: SchedulerOutput, outputs: list[EngineCoreOutput],
                          seconds: float) -> None:

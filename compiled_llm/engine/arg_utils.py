@@ -21,14 +21,17 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from compiled_llm.compilation.config import CompilationConfig, CUDAGraphMode
 from compiled_llm.config import (
+    CONVERTS,
     EXECUTOR_BACKENDS,
     GGUF,
     QUANTIZATION_NAMES,
+    RUNNERS,
     SCHEDULING_POLICIES,
     CacheConfig,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
+    PoolerConfig,
     SchedulerConfig,
     SpeculativeConfig,
     default_num_threads,
@@ -186,6 +189,14 @@ class EngineArgs(CliArgs):
         'same tokenizer proposes); verified in one forward, exact for greedy and sampling. Runs with '
         'synchronous scheduling.',
         parse=json.loads)
+    runner: str = setting("auto", "generate: sample tokens; pooling: one pooled vector per prompt (embeddings, "
+                                  "/v1/embeddings, /pooling, /score, /rerank). auto: pooling when --convert embed, "
+                                  "else generate.", choices=RUNNERS)
+    convert: str = setting("auto", "How a decoder (*ForCausalLM) serves the pooling runner: embed (its final hidden "
+                                   "states pooled, no lm_head). auto: embed under --runner pooling.", choices=CONVERTS)
+    pooler_config: dict | None = setting(
+        None, 'The pooling runner\'s pooler as JSON, vLLM\'s spelling: \'{"pooling_type": "MEAN", "normalize": true}\' '
+        "(pooling_type LAST, MEAN or CLS; default LAST with normalize).", parse=json.loads)
     block_size: int = setting(CacheConfig.block_size, "Tokens per KV-cache block.")
     enable_prefix_caching: bool = setting(CacheConfig.enable_prefix_caching, "Reuse the KV cache of shared prefixes.")
     kv_cache_memory_bytes: int | None = setting(
@@ -247,6 +258,10 @@ class EngineArgs(CliArgs):
             model, self.dtype, device, self.max_model_len, name, self.seed, self.max_logprobs, self.load_format,
             self._quantization(), self.quantization_options,
         )
+        model_config.runner, model_config.pooler_config = self._runner_and_pooler(model_config)
+        pooling = model_config.runner == "pooling"
+        if pooling and speculative_config is not None:
+            raise ValueError("speculative_config: the pooling runner samples no tokens to speculate on.")
         if speculative_config is not None and speculative_config.method == "draft_model":
             speculative_config.draft_model_config = self._draft_model_config(speculative_config, model_config, device)
         default_seqs, default_tokens = SchedulerConfig.default_limits(device.type)
@@ -256,11 +271,18 @@ class EngineArgs(CliArgs):
         if speculative_config is not None and async_scheduling:  # drafts follow the tokens the last step accepted
             logger.info("Speculative decoding runs with synchronous scheduling: asynchronous scheduling is off.")
             async_scheduling = False
+        if pooling and async_scheduling:  # a pooling request ends with its prompt: no next token to overlap
+            async_scheduling = False
         scheduler_config = SchedulerConfig(
             max_num_seqs, max_num_batched_tokens, model_config.max_model_len, self.scheduling_policy, async_scheduling
         )
+        prefix_caching = self.enable_prefix_caching
+        if pooling and prefix_caching and not model_config.pooler_config.supports_prefix_caching:
+            logger.info("Prefix caching is off: %s pooling needs the hidden state of every prompt position.",
+                        model_config.pooler_config.pooling_type)
+            prefix_caching = False
         cache_config = CacheConfig(
-            self.block_size, self.enable_prefix_caching, self.kv_cache_memory_bytes, self.gpu_memory_utilization
+            self.block_size, prefix_caching, self.kv_cache_memory_bytes, self.gpu_memory_utilization
         )
         compilation_config = CompilationConfig.resolve(
             device.type,
@@ -302,6 +324,28 @@ class EngineArgs(CliArgs):
             raise ValueError(f"speculative_config: the draft model {spec.model} has a vocabulary of {draft.vocab_size} "
                              f"tokens, the target {target.vocab_size}: a draft must share the target's tokenizer.")
         return draft
+
+    def _runner_and_pooler(self, model_config: ModelConfig) -> tuple[str, PoolerConfig | None]:
+        """The runner and, for pooling, its pooler. The decoders served here have no pooler or
+        classification head of their own: pooling serves them converted to embedders (vLLM's
+        `--convert embed`), the final hidden states pooled."""
+        convert = self.convert
+        runner = self.runner
+        if runner == "auto":
+            runner = "pooling" if convert in ("embed", "classify") else "generate"
+        if convert == "classify":
+            raise ValueError(f"--convert classify needs a classification head, which {model_config.architecture} "
+                             "checkpoints do not have; use --convert embed.")
+        if runner == "generate":
+            if convert == "embed":
+                raise ValueError("--convert embed serves the pooling runner: use --runner pooling (or leave it auto).")
+            if self.pooler_config is not None:
+                raise ValueError("--pooler-config configures the pooling runner: add --runner pooling.")
+            return runner, None
+        if convert == "none":
+            raise ValueError(f"{model_config.architecture} has no pooler of its own: serve it with --runner pooling "
+                             "--convert embed.")
+        return runner, PoolerConfig.from_dict(self.pooler_config)
 
     def _serves_bundled_file(self, device: torch.device) -> bool:
         """Whether the bundled model is served from its shipped GGUF file rather than its float32

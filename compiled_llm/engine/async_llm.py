@@ -27,7 +27,8 @@ from compiled_llm.engine.processor import Processor, PromptType
 from compiled_llm.engine.tokenizer import get_tokenizer
 from compiled_llm.logger import init_logger
 from compiled_llm.messages.engine_core import EngineCoreOutput
-from compiled_llm.outputs import RequestOutput
+from compiled_llm.outputs import PoolingRequestOutput, RequestOutput
+from compiled_llm.pooling_params import PoolingParams
 from compiled_llm.sampling_params import RequestOutputKind, SamplingParams
 from compiled_llm.structured_output_spec import GRAMMAR_TIME_LIMIT_S, validate_structured_outputs
 
@@ -190,22 +191,23 @@ class AsyncLLM:
 
     # ---- requests ----------------------------------------------------------------------------
     async def add_request(
-        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
+        self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams, priority: int = 0
     ) -> RequestStream:
-        """Validate and send a request; raises ValueError for a bad one before anything is queued."""
+        """Validate and send a request (PoolingParams: a pooling request, one output); raises
+        ValueError for a bad one before anything is queued."""
         arrival = time.time()
         await self.check_health()
         if request_id in self._streams:
             raise ValueError(f"Request id {request_id!r} is already in use.")
-        stream = RequestStream(request_id, params.output_kind == RequestOutputKind.DELTA, self._forget,
-                               self.stream_interval)
+        delta = isinstance(params, SamplingParams) and params.output_kind == RequestOutputKind.DELTA
+        stream = RequestStream(request_id, delta, self._forget, self.stream_interval)
         self._streams[request_id] = stream
         try:
             loop = asyncio.get_running_loop()
             request, text = await loop.run_in_executor(
                 self._tokenizer_pool, self.processor.process, request_id, prompt, params, arrival, priority, False
             )
-            if params.structured_outputs is not None:
+            if isinstance(params, SamplingParams) and params.structured_outputs is not None:
                 await self._check_grammar(params)
             await self.check_health()
             self.start()
@@ -228,6 +230,17 @@ class AsyncLLM:
         try:
             async for output in stream:
                 yield output
+        finally:
+            await self.abort(request_id)
+
+    async def encode(
+        self, prompt: PromptType, pooling_params: PoolingParams, request_id: str, priority: int = 0
+    ) -> AsyncGenerator[PoolingRequestOutput, None]:
+        """A pooling request's one output (vLLM's name); leaving early aborts it in the engine."""
+        stream = await self.add_request(request_id, prompt, pooling_params, priority)
+        try:
+            async for output in stream:
+                yield output  # type: ignore[misc]
         finally:
             await self.abort(request_id)
 

@@ -11,11 +11,21 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import torch
+
 from compiled_llm.engine.detokenizer import IncrementalDetokenizer
 from compiled_llm.engine.tokenizer import TokenTexts
 from compiled_llm.messages.engine_core import EngineCoreOutput, EngineCoreRequest
 from compiled_llm.messages.runner_output import LogprobsLists
-from compiled_llm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput
+from compiled_llm.outputs import (
+    CompletionOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
 from compiled_llm.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -68,11 +78,12 @@ class RequestState:
     queue: Any = None  # the async frontend's per-request stream
     prompt_logprobs: PromptLogprobs | None = None
     prompt_logprobs_sent: bool = False  # (DELTA outputs) they go with the first output only
+    pooling: bool = False  # a pooling request: one output, its pooled vector
 
 
 @dataclass
 class ProcessedOutputs:
-    request_outputs: list[RequestOutput]
+    request_outputs: list[RequestOutput | PoolingRequestOutput]
     reqs_to_abort: list[str]  # engine ids whose stop string was found here
 
 
@@ -100,6 +111,7 @@ class OutputProcessor:
             request.request_id, external_id, index, prompt, request.prompt_token_ids, params, detok, parent,
             RequestMetrics(arrival_time=request.arrival_time), queue=queue,
         )
+        state.pooling = request.pooling_params is not None
         if params.logprobs is not None:
             state.logprobs, state.cumulative_logprob = [], 0.0
         self.states[request.request_id] = state
@@ -135,13 +147,16 @@ class OutputProcessor:
         return bool(self.states)
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
-        request_outputs: list[RequestOutput] = []
+        request_outputs: list[RequestOutput | PoolingRequestOutput] = []
         to_abort: list[str] = []
         now = time.time()
         for out in outputs:
             state = self.states.get(out.request_id)
             if state is None:
                 continue  # aborted here while the engine was still producing
+            if state.pooling:
+                self._pooling_output(state, out, now, request_outputs)
+                continue
             finish_reason, stop_reason = out.finish_reason, out.stop_reason
             new_ids = out.new_token_ids
             if state.detokenizer is not None and new_ids:
@@ -180,6 +195,30 @@ class OutputProcessor:
                 else:
                     request_outputs.append(result)
         return ProcessedOutputs(request_outputs, to_abort)
+
+    def _pooling_output(self, state: RequestState, out: EngineCoreOutput, now: float,
+                        request_outputs: list[RequestOutput | PoolingRequestOutput]) -> None:
+        """A pooling request ends with its one output: the vector, or the reason it has none."""
+        if not out.finished:
+            return
+        state.num_cached_tokens = out.num_cached_tokens
+        state.metrics.finished_time = now
+        del self.states[out.request_id]
+        if self.on_output is not None:
+            self.on_output(state, out)
+        if out.pooling_output is None:  # refused by the engine, or aborted before its prompt was pooled
+            why = out.stop_reason if out.finish_reason == "error" else "The request was aborted before it was pooled."
+            if state.queue is not None:
+                state.queue.put(ValueError(str(why)))
+            return
+        pooled = out.pooling_output
+        data = torch.frombuffer(bytearray(pooled.data), dtype=torch.float32).reshape(pooled.shape)
+        result = PoolingRequestOutput(state.external_id, PoolingOutput(data), state.prompt_token_ids, True,
+                                      state.num_cached_tokens, state.prompt)
+        if state.queue is not None:
+            state.queue.put(result)
+        else:
+            request_outputs.append(result)
 
     def _append_logprobs(self, state: RequestState, lists: LogprobsLists, num_tokens: int) -> None:
         entries = self._logprob_dicts(lists, num_tokens)

@@ -8,8 +8,12 @@ from typing import Any, Union
 
 from compiled_llm.config import ModelConfig
 from compiled_llm.messages.engine_core import EngineCoreRequest
+from compiled_llm.pooling_params import PoolingParams
 from compiled_llm.sampling_params import SamplingParams
 from compiled_llm.structured_output_spec import validate_structured_outputs
+
+# A pooling request's sampling params: none of them is used (the runner samples nothing).
+_POOLING_SAMPLING = SamplingParams(max_tokens=1, detokenize=False)
 
 # A prompt: text, token ids, or vLLM's dict forms.
 PromptType = Union[str, list[int], dict[str, Any]]
@@ -65,7 +69,7 @@ class Processor:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         priority: int = 0,
         check_grammar: bool = True,
@@ -76,7 +80,19 @@ class Processor:
             raise ValueError(
                 f"priority={priority} needs the priority scheduling policy (--scheduling-policy priority)."
             )
+        pooling = isinstance(params, PoolingParams)
+        if pooling != (self.model_config.runner == "pooling"):
+            raise ValueError(
+                "This model is served by the pooling runner (--runner pooling): it embeds prompts and generates "
+                "no text; use the embeddings, pooling, score or rerank APIs." if not pooling else
+                "This model is served to generate text: embeddings and pooling need --runner pooling --convert embed."
+            )
         text, token_ids = self.tokenize(prompt)
+        if isinstance(params, PoolingParams):  # prompt-only: one forward, nothing sampled
+            self.validate(token_ids, _POOLING_SAMPLING)
+            params.verify(self.model_config.hf_config.hidden_size, self.model_config.hf_config)
+            return EngineCoreRequest(request_id, token_ids, _POOLING_SAMPLING, arrival_time or time.time(), priority,
+                                     pooling_params=params), text
         params = self.validate(token_ids, params, check_grammar)
         request = EngineCoreRequest(request_id, token_ids, params, arrival_time or time.time(), priority)
         return request, text

@@ -16,7 +16,15 @@ from compiled_llm.entrypoints.chat_utils import (
     load_chat_template,
     resolve_content_format,
 )
-from compiled_llm.outputs import RequestOutput
+from compiled_llm.entrypoints.score_utils import cosine_score, pair_up
+from compiled_llm.outputs import (
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from compiled_llm.pooling_params import PoolingParams
 from compiled_llm.sampling_params import RequestOutputKind, SamplingParams
 
 ChatMessages = list[dict[str, Any]]
@@ -67,6 +75,75 @@ class LLM:
             raise ValueError(f"Got {len(priorities)} priorities for {len(prompts)} prompts; pass one per prompt.")
         return self._run(prompts, params_list, use_tqdm, priorities)
 
+    def encode(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        pooling_params: PoolingParams | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput]:
+        """Pool each prompt's final hidden states (a model served with `runner="pooling"`): one
+        forward, no sampling. Default `PoolingParams(task="encode")`: the pooled vector as it is.
+        `truncate_prompt_tokens`: keep the last k tokens (-1: max_model_len)."""
+        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        if prompts and all(isinstance(t, int) for t in prompts):  # one prompt as token ids
+            prompts = [prompts]  # type: ignore[list-item]
+        params = pooling_params or PoolingParams(task="encode")
+        if truncate_prompt_tokens is not None:
+            prompts = [self._truncated(prompt, truncate_prompt_tokens) for prompt in prompts]
+        return self._run(prompts, [params] * len(prompts), use_tqdm, [0] * len(prompts))  # type: ignore[return-value]
+
+    def embed(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """An embedding per prompt (`outputs.embedding`), normalised as the pooler config says."""
+        params = (pooling_params or PoolingParams()).clone(task="embed")
+        outputs = self.encode(prompts, params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm)
+        return [EmbeddingRequestOutput.from_base(output) for output in outputs]
+
+    def score(
+        self,
+        data_1: str | list[str],
+        data_2: str | list[str],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """The score of each pair (one `data_1` against every `data_2`, or pairwise): for an embed
+        model, as vLLM, the cosine similarity of the two embeddings."""
+        pairs = pair_up(data_1, data_2)
+        texts = list(dict.fromkeys(text for pair in pairs for text in pair))
+        embedded = self.encode(texts, (pooling_params or PoolingParams()).clone(task="embed"),
+                               truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm)
+        by_text = dict(zip(texts, embedded))
+        return [
+            ScoringRequestOutput(str(i), ScoringOutput(cosine_score(by_text[a].outputs.data, by_text[b].outputs.data)),
+                                 by_text[a].prompt_token_ids + by_text[b].prompt_token_ids, True)
+            for i, (a, b) in enumerate(pairs)
+        ]
+
+    def classify(self, prompts: Union[PromptType, Sequence[PromptType]], **kwargs: Any) -> list[Any]:
+        """Classification needs a classification head, which none of the decoders served here has."""
+        config = self.llm_engine.config.model_config
+        raise ValueError(f"LLM.classify needs a model with a classification head; {config.architecture} has none "
+                         "(served with --convert embed it embeds: use embed or score).")
+
+    def _truncated(self, prompt: PromptType, k: int) -> PromptType:
+        """The prompt's last `k` tokens (-1: max_model_len), as token ids."""
+        max_len = self.llm_engine.config.model_config.max_model_len
+        k = max_len if k == -1 else k
+        if not 0 < k <= max_len:
+            raise ValueError(f"truncate_prompt_tokens must be -1 or within 1..max_model_len ({max_len}), got {k}.")
+        text, ids = self.llm_engine.processor.tokenize(prompt)
+        return {"prompt": text, "prompt_token_ids": ids[-k:]} if text is not None else ids[-k:]
+
     def chat(
         self,
         messages: ChatMessages | list[ChatMessages],
@@ -96,18 +173,20 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(
-        self, prompts: list[PromptType], params_list: list[SamplingParams], use_tqdm: bool, priorities: list[int]
-    ) -> list[RequestOutput]:
+        self, prompts: list[PromptType], params_list: Sequence[SamplingParams | PoolingParams], use_tqdm: bool,
+        priorities: list[int],
+    ) -> list[RequestOutput | PoolingRequestOutput]:
         engine = self.llm_engine
         # Validate everything first: a bad prompt raises before any request is queued.
         processed = []
         for prompt, params, priority in zip(prompts, params_list, priorities):
-            params = params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+            if isinstance(params, SamplingParams):
+                params = params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
             processed.append(engine.process(str(next(self._ids)), prompt, params, priority=priority))
         order = {request.request_id: i for i, (request, _) in enumerate(processed)}
         for request, text in processed:
             engine.add_processed(request, text)
-        results: list[RequestOutput | None] = [None] * len(processed)
+        results: list[RequestOutput | PoolingRequestOutput | None] = [None] * len(processed)
         bar = tqdm(total=len(processed), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         generated = 0
         try:
@@ -115,9 +194,11 @@ class LLM:
                 for out in engine.step():
                     if out.finished:
                         results[order[out.request_id]] = out
-                        generated += sum(len(c.token_ids) for c in out.outputs)
                         bar.update(1)
-                        bar.set_postfix_str(f"output {generated / max(bar.format_dict['elapsed'], 1e-9):.1f} tok/s")
+                        if isinstance(out, RequestOutput):
+                            generated += sum(len(c.token_ids) for c in out.outputs)
+                            rate = generated / max(bar.format_dict['elapsed'], 1e-9)
+                            bar.set_postfix_str(f"output {rate:.1f} tok/s")
         except BaseException:
             engine.abort_request(list(order))
             raise

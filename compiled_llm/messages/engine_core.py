@@ -9,7 +9,8 @@ import enum
 
 import msgspec
 
-from compiled_llm.messages.runner_output import LogprobsLists
+from compiled_llm.messages.runner_output import LogprobsLists, PooledTensor
+from compiled_llm.pooling_params import PoolingParams
 from compiled_llm.sampling_params import SamplingParams
 
 
@@ -25,6 +26,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # The user's request whose `n > 1` samples this is one of ("" for a request of its own): the
     # scheduler keeps one request's samples from taking every running slot.
     parent_id: str = ""
+    # A pooling request (the pooling runner serves only these): its prompt is pooled, nothing sampled.
+    pooling_params: PoolingParams | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -41,6 +44,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     scheduled_time: float = 0.0
     # How many times the request has been preempted so far (sent once it has been: 0 is left out).
     num_preemptions: int = 0
+    pooling_output: PooledTensor | None = None  # a pooling request's result, with its finish
 
     @property
     def finished(self) -> bool:

@@ -22,6 +22,14 @@ class LogprobsLists(msgspec.Struct, array_like=True):
     sampled_ranks: list[int]
 
 
+class PooledTensor(msgspec.Struct, array_like=True):
+    """One pooling request's result on its way to the frontend: float32 values, little-endian, as
+    raw bytes (msgpack carries them as one binary field, not a list of floats), and their shape."""
+
+    data: bytes
+    shape: list[int]
+
+
 @dataclass
 class ModelRunnerOutput:
     req_ids: list[str]
@@ -30,6 +38,8 @@ class ModelRunnerOutput:
     # Requests whose prompt was completed in this step and that asked for prompt logprobs: one row
     # per prompt token after the first.
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    # Pooling runner: the requests whose prompt was completed in this step, and their pooled vector.
+    pooler_output: dict[str, PooledTensor] = field(default_factory=dict)
 
 
 class AsyncModelRunnerOutput(ABC):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from compiled_llm.pooling_params import PoolingParams
 from compiled_llm.sampling_params import SamplingParams
 
 
@@ -17,6 +18,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    pooling_params: PoolingParams | None = None  # a pooling request's
 
 
 @dataclass

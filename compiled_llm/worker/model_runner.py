@@ -37,6 +37,7 @@ from compiled_llm.worker.compile_and_capture import capture_cudagraphs, compile_
 from compiled_llm.worker.draft_proposer import DraftModelProposer
 from compiled_llm.worker.grammar_bitmask import apply_grammar_bitmask
 from compiled_llm.worker.input_batch import InputBatch
+from compiled_llm.worker.pooler import Pooler, PoolSegment
 from compiled_llm.worker.prompt_logprobs import PromptLogprobsComputer, PromptLogprobsTensors, PromptSegment
 from compiled_llm.worker.rejection_sampler import RejectionOutput, RejectionSampler
 from compiled_llm.worker.sampler import Sampler, SamplerOutput
@@ -87,6 +88,8 @@ class ModelRunner:
         if spec is not None and spec.method == "draft_model":
             self.drafter = DraftModelProposer(config, rows, max_blocks_per_req)
         self.prompt_logprobs = PromptLogprobsComputer(lambda hidden: self.model.compute_logits(hidden))
+        # The pooling runner: pooled final hidden states instead of logits, for every request.
+        self.pooler = Pooler(mc.pooler_config) if mc.runner == "pooling" and mc.pooler_config else None
         self.num_grammar_bitmasks = 0  # steps whose logits a grammar bitmask constrained
         self.kv_caches: list[torch.Tensor] = []
         self.dispatcher: CudagraphDispatcher | None = None  # set when CUDA graphs are captured
@@ -168,6 +171,11 @@ class ModelRunner:
         for rid in out.preempted_req_ids:
             batch.remove(rid, keep_sampling_state=True)
             self.prompt_logprobs.forget(rid)
+        if self.pooler is not None:
+            for rid in (*out.finished_req_ids, *out.preempted_req_ids):
+                self.pooler.forget(rid)
+            for new_req in out.scheduled_new_reqs:
+                self.pooler.add(new_req.req_id, new_req.pooling_params)
         for cached in out.scheduled_cached_reqs:
             row = batch.row_of[cached.req_id]
             if cached.new_block_ids:
@@ -220,6 +228,8 @@ class ModelRunner:
         self._feed_pending_tokens(rows, metadata.query_start_loc_cpu)
         with set_forward_context(metadata, mode, descriptor):
             hidden = self.model_forward(*self.inputs.model_args(padded_tokens))
+        if self.pooler is not None:
+            return self._pool(req_ids, rows, num_sched, hidden, metadata.query_start_loc_cpu)
         prompt_logprobs: dict[str, PromptLogprobsTensors] = {}
         if (batch.num_prompt_logprobs[rows] >= 0).any():
             segments = self._prompt_segments(req_ids, rows, num_sched, metadata.query_start_loc_cpu)
@@ -248,6 +258,18 @@ class ModelRunner:
         self._last_sampled = result.sampled
         return StepOutput(self.batch, self.device, self._step, req_ids, sample_idx, sample_rows, positions, result,
                           prompt_logprobs)
+
+    def _pool(self, req_ids: list[str], rows: np.ndarray, num_sched: np.ndarray, hidden: torch.Tensor,
+              query_start_loc: np.ndarray) -> ReadyStepOutput:
+        """A pooling step: each request's rows go to the pooler; those whose prompt this step
+        completes get their vector (read on the host at once: the request ends with it)."""
+        start = self.batch.num_computed_tokens[rows]
+        done = start + num_sched >= self.batch.num_prompt_tokens[rows]
+        assert self.pooler is not None
+        segments = [PoolSegment(rid, int(query_start_loc[i]), int(num_sched[i]), int(start[i]), bool(done[i]))
+                    for i, rid in enumerate(req_ids)]
+        pooled = self.pooler.pool(hidden, segments)
+        return ReadyStepOutput(ModelRunnerOutput(req_ids, [[] for _ in req_ids], pooler_output=pooled))
 
     def _verify(
         self,

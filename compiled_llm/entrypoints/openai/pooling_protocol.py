@@ -1,0 +1,167 @@
+"""Request and response bodies of the pooling APIs (vLLM's names and fields): `/v1/embeddings`
+(OpenAI's, with vLLM's extras), `/pooling`, `/score`, `/rerank` (Jina/Cohere shape) and
+`/classify`. Kept apart from protocol.py, which holds the generating APIs."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, ClassVar, Literal, Union
+
+from pydantic import Field, model_validator
+
+from compiled_llm.entrypoints.openai.protocol import (
+    INT64_MAX,
+    ChatMessage,
+    LogprobsCount,
+    OpenAIBaseModel,
+    RequestModel,
+    TokenId,
+    UsageInfo,
+)
+
+# `input`: a text, texts, token ids, or lists of token ids (OpenAI's four forms).
+EmbeddingInput = Union[str, list[str], list[TokenId], list[list[TokenId]]]
+
+
+class PoolingBaseRequest(RequestModel):
+    """What the embedding and pooling requests share: the input (completion style) or chat
+    `messages` rendered with the chat template (vLLM's chat-style embedding request), the output's
+    encoding and vLLM's extras."""
+
+    REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = {"mm_processor_kwargs": (), "cache_salt": (),
+                                                     "softmax": (), "activation": (), "use_activation": ()}
+
+    model: str | None = None
+    input: EmbeddingInput | None = None
+    messages: list[ChatMessage] | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1, le=INT64_MAX)
+    user: str | None = None
+    truncate_prompt_tokens: LogprobsCount | None = None  # keep the last k prompt tokens; -1: max_model_len
+    truncation_side: Literal["left", "right"] | None = None
+    # Completion style: the tokenizer's special tokens (BOS) in front (vLLM: on); chat style: off
+    # (the template writes them).
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    normalize: bool | None = None  # None: the pooler config's (embeddings), off (pooling)
+    priority: int = Field(default=0, ge=-(2**63), le=INT64_MAX)
+    request_id: str | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> PoolingBaseRequest:
+        if (self.input is None) == (self.messages is None):
+            raise ValueError("give exactly one of input (texts or token ids) and messages (a conversation)")
+        if self.truncate_prompt_tokens == 0:
+            raise ValueError("truncate_prompt_tokens must be -1 (the model's context) or at least 1")
+        return self
+
+
+class EmbeddingRequest(PoolingBaseRequest):
+    pass
+
+
+class EmbeddingResponseData(OpenAIBaseModel):
+    index: int
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str  # a string: base64 of little-endian float32 values
+
+
+class EmbeddingResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[EmbeddingResponseData]
+    usage: UsageInfo
+
+
+class PoolingRequest(PoolingBaseRequest):
+    """vLLM's /pooling: the pooled hidden state as it is, unless `normalize` asks."""
+
+
+class PoolingResponseData(OpenAIBaseModel):
+    index: int
+    object: Literal["pooling"] = "pooling"
+    data: list[float] | str
+
+
+class PoolingResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[PoolingResponseData]
+    usage: UsageInfo
+
+
+class ScoreRequest(RequestModel):
+    """vLLM's /score: `text_1` against each of `text_2` (1:N), or pairwise (N:N)."""
+
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+    truncate_prompt_tokens: LogprobsCount | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    priority: int = Field(default=0, ge=-(2**63), le=INT64_MAX)
+    request_id: str | None = None
+
+
+class ScoreResponseData(OpenAIBaseModel):
+    index: int
+    object: Literal["score"] = "score"
+    score: float
+
+
+class ScoreResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[ScoreResponseData]
+    usage: UsageInfo
+
+
+class RerankDocument(OpenAIBaseModel):
+    text: str
+
+
+class RerankRequest(RequestModel):
+    """vLLM's /rerank (Jina's and Cohere's shape): `documents` ordered by their score against `query`."""
+
+    model: str | None = None
+    query: str
+    documents: list[str] | list[RerankDocument]
+    top_n: int = Field(default=0, ge=0, le=INT64_MAX)  # 0: every document
+    return_documents: bool = True
+    truncate_prompt_tokens: LogprobsCount | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    priority: int = Field(default=0, ge=-(2**63), le=INT64_MAX)
+    request_id: str | None = None
+
+    def document_texts(self) -> list[str]:
+        return [d if isinstance(d, str) else d.text for d in self.documents]
+
+
+class RerankResult(OpenAIBaseModel):
+    index: int
+    document: RerankDocument | None = None
+    relevance_score: float
+
+
+class RerankUsage(OpenAIBaseModel):
+    total_tokens: int
+
+
+class RerankResponse(OpenAIBaseModel):
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]
+
+
+class ClassificationRequest(RequestModel):
+    model: str | None = None
+    input: EmbeddingInput
