@@ -15,6 +15,7 @@ import pytest
 
 from compiled_llm.entrypoints.openai.responses_protocol import OutputMessage, OutputText, ResponsesResponse
 from compiled_llm.entrypoints.openai.responses_store import ResponsesStore
+from compiled_llm.entrypoints.openai.serving_responses import StreamedOutput
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
@@ -164,6 +165,7 @@ def _error(call) -> tuple[int, dict[str, Any]]:
      "input[0].content[0].type"),
     ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
     ({"input": []}, "input"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"tools": TOOLS, "tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
     ({"tools": [{"type": "function", "parameters": ADD}]}, "tools[0].name"),
@@ -236,3 +238,41 @@ def test_store_evicts_least_recently_used():
     assert store.size <= store.max_bytes
     assert not store.put(response(4), [{"text": "y" * 4 * one}])  # alone over the limit: not kept
     assert store.get("resp_4") is None
+
+
+def test_reasoning_and_calls_stream_as_the_client_reads_them():
+    """The events of a reasoning item, a message and a function call, as a stream with a reasoning
+    parser and tools builds them, through the official client's own accumulation (the servers'
+    models do not think: the tiny one's words are random, and the bundled one has no parser)."""
+    from openai._models import construct_type
+    from openai._types import omit
+    from openai.lib.streaming.responses._responses import ResponseStreamState
+    from openai.types.responses import ResponseStreamEvent
+
+    state = StreamedOutput()
+    events = [state.lifecycle("response.created", ResponsesResponse(id="resp_1", model="m"))]
+    for step in (state.reasoning_delta("Let me "), state.reasoning_delta("think."), state.text_delta("Hi"),
+                 state.text_delta(" there."), state.call_delta(0, "add", '{"a": 1'), state.call_delta(0, None, "}"),
+                 state.call_delta(1, "add", '{"a": 2}'), state.close("completed")):
+        events += step
+    final = ResponsesResponse(id="resp_1", model="m", status="completed", output=state.output)
+    events.append(state.lifecycle("response.completed", final))
+    parsed = [construct_type(type_=ResponseStreamEvent, value=json.loads(e.removeprefix("data: "))) for e in events]
+    assert [e.sequence_number for e in parsed] == list(range(len(parsed)))
+    reader = ResponseStreamState(input_tools=omit, text_format=omit)
+    seen = [e for raw in parsed for e in reader.handle_event(raw)]
+    item = ["response.output_item.added", "response.content_part.added"]
+    done = ["response.content_part.done", "response.output_item.done"]
+    assert [e.type for e in seen] == [
+        "response.created", *item, "response.reasoning_text.delta", "response.reasoning_text.delta",
+        "response.reasoning_text.done", *done, *item, "response.output_text.delta", "response.output_text.delta",
+        "response.output_text.done", *done, "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        "response.output_item.done", "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done", "response.completed",
+    ]
+    response = seen[-1].response
+    assert [o.type for o in response.output] == ["reasoning", "message", "function_call", "function_call"]
+    assert response.output[0].content[0].text == "Let me think." and response.output_text == "Hi there."
+    assert [json.loads(o.arguments) for o in response.output[2:]] == [{"a": 1}, {"a": 2}]
+    assert all(o.status == "completed" for o in response.output)

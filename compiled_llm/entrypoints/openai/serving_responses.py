@@ -236,6 +236,9 @@ class OpenAIServingResponses:
         if request.background:
             raise OpenAIError("background mode is not supported by this server: send the request without "
                               "`background` (or with it false).", param="background")
+        if request.max_output_tokens is not None and request.max_output_tokens < 1:
+            raise OpenAIError(f"max_output_tokens must be at least 1, got {request.max_output_tokens}.",
+                              param="max_output_tokens")
         items = input_items(request)
         if not items:
             raise OpenAIError("input must hold at least one item.", param="input")
@@ -338,7 +341,7 @@ class OpenAIServingResponses:
         return await self._finish(turn, output, truncated, len(c.token_ids), out.num_cached_tokens)
 
     async def _events(self, turn: _Turn, stream: RequestStream) -> AsyncIterator[str]:
-        state = _StreamState()
+        state = StreamedOutput()
         yield state.lifecycle("response.created", self._response(turn, "in_progress", []))
         yield state.lifecycle("response.in_progress", self._response(turn, "in_progress", []))
         reasoning = ReasoningStreamer(turn.reasoning_parser()) if turn.reasoning_parser is not None else None
@@ -376,7 +379,7 @@ class OpenAIServingResponses:
 
 
 @dataclass
-class _StreamState:
+class StreamedOutput:
     """The output items of one streamed response, the last one open (taking deltas), and the next
     sequence number."""
 
