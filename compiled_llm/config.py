@@ -484,6 +484,27 @@ class SpeculativeConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """LoRA adapters (`enable_lora`): `max_loras` adapters in one step (the model's preallocated
+    slots), each of rank up to `max_lora_rank`; `max_cpu_loras` kept in host memory. The slots'
+    shapes are in the compiled graph (and the compile-cache key); the adapters are data."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}).")
+
+
+@dataclass
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
@@ -493,6 +514,7 @@ class EngineConfig:
     num_threads: int | None = None  # CPU threads of each rank's process; None on a GPU
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     speculative_config: SpeculativeConfig | None = None
+    lora_config: LoRAConfig | None = None  # None: LoRA off (`enable_lora`)
 
     @property
     def torch_device(self) -> torch.device:

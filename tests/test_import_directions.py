@@ -27,20 +27,24 @@ FOUNDATION = frozenset({"logger", "utils"})
 SHARED = FOUNDATION | {"config", "compilation.config", "sampling_params", "pooling_params", "structured_output_spec",
                        "outputs",
                        "bundled_model",  # the default model: where its files are
-                       "gguf_file"}  # a GGUF file as MODEL: its config and tokenizer, its checked tables
+                       "gguf_file",  # a GGUF file as MODEL: its config and tokenizer, its checked tables
+                       "lora.request"}  # which adapter a request runs with
 
 ALLOWED: dict[str, frozenset[str]] = {
     # precompile: the executor, and the worker's cache key (`--print-cache-key` builds no runner)
     "entrypoints": SHARED | {"engine", "executor", "worker", "compilation", "messages"},
-    "engine": SHARED | {"core", "messages"},  # the frontend starts the core (in-process, a process, Ray)
+    # the frontend starts the core (in-process, a process, Ray) and reads an adapter to refuse a bad one
+    "engine": SHARED | {"core", "messages", "lora"},
     "core": SHARED | {"executor", "messages", "spec_decode"},  # the scheduler asks the proposers for drafts
     "executor": SHARED | {"worker", "distributed", "messages"},
-    "worker": SHARED | {"models", "quantization", "compilation", "kernels", "distributed", "messages"},
+    "worker": SHARED | {"models", "quantization", "compilation", "kernels", "distributed", "messages", "lora"},
     "models": SHARED | {"quantization", "compilation", "kernels", "distributed"},
     "quantization": SHARED | {"kernels", "distributed"},  # the weight formats the models' linears ask for
     "spec_decode": FOUNDATION,  # proposers: pure functions of a request's tokens
     "distributed": FOUNDATION,
-    "messages": FOUNDATION | {"sampling_params", "pooling_params"},
+    "messages": FOUNDATION | {"sampling_params", "pooling_params", "lora.request"},
+    "lora": SHARED | {"models"},  # adapters read from PEFT files into the models' LoRA layers
+    "lora.request": FOUNDATION,
     "config": FOUNDATION | {"compilation.config", "gguf_file"},  # a .gguf MODEL's config and tokenizer folder
     "compilation.config": FOUNDATION | {"compilation"},  # its defaults come from the cache and the passes
     "sampling_params": FOUNDATION,
@@ -74,6 +78,8 @@ def layer(module: str) -> str | None:
         return None
     if parts[:2] == ["compilation", "config"]:
         return "compilation.config"
+    if parts[:2] == ["lora", "request"]:
+        return "lora.request"
     return parts[0]
 
 

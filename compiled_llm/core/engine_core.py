@@ -53,7 +53,8 @@ class EngineCore:
         self.kv_seconds = time.perf_counter() - t
         self.executor.collective_rpc("compile_or_warm_up")
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.num_blocks,
-                                   config.speculative_config)
+                                   config.speculative_config,
+                                   config.lora_config.max_loras if config.lora_config is not None else None)
         self._in_flight: deque[tuple[SchedulerOutput, AsyncModelRunnerOutput]] = deque()  # launched, not accounted
         self.structured_outputs: StructuredOutputManager | None = None  # made by the first constrained request
         self.startup_seconds = time.perf_counter() - started
@@ -87,6 +88,9 @@ class EngineCore:
                              if pooling else "This engine generates text: pooling (embeddings) needs --runner pooling.")
         if request.pooling_params is not None:
             request.pooling_params.verify(mc.hf_config.hidden_size, mc.hf_config)
+        if request.lora_request is not None and self.config.lora_config is None:
+            raise ValueError(f"LoRA adapter {request.lora_request.lora_name!r}: this engine runs without LoRA "
+                             "(start it with enable_lora / --enable-lora).")
         params = request.sampling_params
         if params.n != 1:
             raise ValueError(f"The engine runs one sequence per request (the frontend fans out n), got n={params.n}.")
@@ -111,6 +115,7 @@ class EngineCore:
             request.priority,
             request.parent_id,
             request.pooling_params,
+            request.lora_request,
         )
         if self.structured_outputs is not None and request.request_id in self.structured_outputs:
             raise ValueError(f"request id {request.request_id!r} is already in use")

@@ -7,6 +7,7 @@ import time
 from typing import TYPE_CHECKING
 
 from compiled_llm.core.block_hash import BlockHash, hash_block_tokens
+from compiled_llm.lora.request import LoRARequest
 from compiled_llm.pooling_params import PoolingParams
 from compiled_llm.sampling_params import SamplingParams
 from compiled_llm.spec_decode.backoff import AcceptanceBackoff
@@ -46,6 +47,7 @@ class Request:
         priority: int = 0,
         parent_id: str = "",
         pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         # A pooling request: finished once its prompt is computed, with the pooled vector and no token.
@@ -76,6 +78,9 @@ class Request:
         self.ngram: NgramIndex | None = None
         self.spec_backoff = AcceptanceBackoff()
         self.block_size = block_size
+        self.lora_request = lora_request
+        # Blocks computed under an adapter are its own: its key joins every block's hash.
+        self._hash_extra_keys = lora_request.cache_key() if lora_request is not None else b""
         self.block_hashes: list[BlockHash] = []
         self._update_block_hashes()
 
@@ -114,4 +119,5 @@ class Request:
         size = self.block_size
         for start in range(len(self.block_hashes) * size, self.num_tokens - size + 1, size):
             parent = self.block_hashes[-1] if self.block_hashes else None
-            self.block_hashes.append(hash_block_tokens(parent, self.all_token_ids[start : start + size]))
+            self.block_hashes.append(hash_block_tokens(parent, self.all_token_ids[start : start + size],
+                                                       self._hash_extra_keys))

@@ -78,9 +78,10 @@ class _StepPlan:
 class Scheduler:
     def __init__(
         self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
-        speculative_config: SpeculativeConfig | None = None,
+        speculative_config: SpeculativeConfig | None = None, max_loras: int | None = None,
     ) -> None:
-        """`num_blocks`: the KV cache's size, which the runners decide at start-up from their memory."""
+        """`num_blocks`: the KV cache's size, which the runners decide at start-up from their memory.
+        `max_loras` (LoRA on): the most distinct adapters among running requests (the runner's slots)."""
         if speculative_config is not None and scheduler_config.async_scheduling:
             raise ValueError("Speculative decoding runs with synchronous scheduling: a step's drafts follow the "
                              "tokens the step before accepted (EngineArgs turns async scheduling off).")
@@ -99,6 +100,7 @@ class Scheduler:
         self.async_scheduling = scheduler_config.async_scheduling
         max_seqs = scheduler_config.max_num_seqs
         self.max_running_per_group = max(1, max_seqs - max(1, max_seqs // 8))
+        self.max_loras = max_loras
         # (asynchronous) Requests whose tokens in flight finish them: out of `running`, blocks freed.
         self.finishing: dict[str, Request] = {}
         self.finished_req_ids: set[str] = set()
@@ -239,13 +241,17 @@ class Scheduler:
         """Admit waiting requests in the policy's order (passing over a group at its share) while
         the budget, the running slots and the blocks last."""
         per_group: Counter[str] | None = None  # running requests per group, counted once needed
+        loras: set[int] = set()  # the adapters of running requests
         while self.waiting and plan.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             if per_group is None:
                 per_group = Counter(r.group for r in self.running)
-            request = self._next_admissible(per_group)
+                loras = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+            request = self._next_admissible(per_group, loras)
             if request is None or not self._admit(request, plan):
                 break
             per_group[request.group] += 1
+            if request.lora_request is not None:
+                loras.add(request.lora_request.lora_int_id)
 
     def _admit(self, request: Request, plan: _StepPlan) -> bool:
         """Start (or resume) a waiting request: its prefix-cache hit, then blocks for as many
@@ -280,6 +286,7 @@ class Scheduler:
                 self.kv.block_ids(request.request_id),
                 num_hit,
                 request.pooling_params,
+                request.lora_request,
             )
         )
         return True
@@ -322,12 +329,18 @@ class Scheduler:
             request.num_tokens + pending >= self.config.max_model_len
         )
 
-    def _next_admissible(self, per_group: Counter[str]) -> Request | None:
-        """The first waiting request, in the policy's order, whose group is below its share."""
+    def _next_admissible(self, per_group: Counter[str], loras: set[int]) -> Request | None:
+        """The first waiting request, in the policy's order, whose group is below its share and
+        whose adapter is running already or fits in a free adapter slot (the others wait)."""
+        def admissible(r: Request) -> bool:
+            lora = r.lora_request
+            fits = lora is None or self.max_loras is None or lora.lora_int_id in loras or len(loras) < self.max_loras
+            return fits and per_group[r.group] < self.max_running_per_group
+
         head = self.waiting.peek()
-        if per_group[head.group] < self.max_running_per_group:
+        if admissible(head):
             return head
-        return next((r for r in self.waiting if per_group[r.group] < self.max_running_per_group), None)
+        return next((r for r in self.waiting if admissible(r)), None)
 
     def _pick_victim(self) -> Request:
         """The running request to preempt: the lowest-priority one (latest among equals) under the

@@ -29,6 +29,7 @@ from compiled_llm.config import (
     SCHEDULING_POLICIES,
     CacheConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     PoolerConfig,
@@ -240,6 +241,12 @@ class EngineArgs(CliArgs):
     cache_signing_key_file: str | None = setting(
         None, "File holding a secret key (16+ bytes): precompile signs the compile cache entry with it and a "
         "start refuses an entry not signed with it, before loading any of it.", group="compilation")
+    enable_lora: bool = setting(False, "Serve LoRA adapters (PEFT folders) on the base model, several in one batch.",
+                                group="lora")
+    max_loras: int = setting(LoRAConfig.max_loras, "Most distinct adapters in one step (the model's adapter slots).",
+                             group="lora")
+    max_lora_rank: int = setting(LoRAConfig.max_lora_rank, "Highest adapter rank served.", group="lora")
+    max_cpu_loras: int | None = setting(None, "Adapters kept in host memory (default: max_loras).", group="lora")
 
     def create_engine_config(self) -> EngineConfig:
         import torch
@@ -310,6 +317,8 @@ class EngineArgs(CliArgs):
                 self.tensor_parallel_size, self.data_parallel_size, self.distributed_executor_backend
             ),
             speculative_config=speculative_config,
+            lora_config=(LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora
+                         else None),
         )
 
     def _draft_model_config(self, spec: SpeculativeConfig, target: ModelConfig, device: torch.device) -> ModelConfig:

@@ -14,6 +14,7 @@ from compiled_llm.engine.core_client import InprocClient
 from compiled_llm.engine.output_processor import OutputProcessor
 from compiled_llm.engine.processor import Processor, PromptType
 from compiled_llm.engine.tokenizer import get_tokenizer
+from compiled_llm.lora.request import LoRARequest
 from compiled_llm.messages.engine_core import EngineCoreRequest
 from compiled_llm.outputs import RequestOutput
 from compiled_llm.sampling_params import SamplingParams
@@ -28,7 +29,8 @@ class LLMEngine:
             )
         self.config = config
         self.tokenizer = get_tokenizer(config.model_config.tokenizer)
-        self.processor = Processor(config.model_config, self.tokenizer, config.scheduler_config.policy)
+        self.processor = Processor(config.model_config, self.tokenizer, config.scheduler_config.policy,
+                                   config.lora_config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core_client = InprocClient(config)
         self.engine_core = self.engine_core_client.engine_core  # direct access for tests and tools
@@ -40,10 +42,10 @@ class LLMEngine:
 
     def process(
         self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None,
-        priority: int = 0,
+        priority: int = 0, lora_request: LoRARequest | None = None,
     ) -> tuple[EngineCoreRequest, str | None]:
         """Tokenize and validate without adding: raises ValueError for a bad request."""
-        return self.processor.process(request_id, prompt, params, arrival_time, priority)
+        return self.processor.process(request_id, prompt, params, arrival_time, priority, lora_request=lora_request)
 
     def add_processed(self, request: EngineCoreRequest, prompt: str | None) -> None:
         external_id = request.request_id

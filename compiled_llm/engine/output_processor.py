@@ -55,6 +55,7 @@ class ParentRequest:
         return EngineCoreRequest(
             self.child_id(index), request.prompt_token_ids, self.child_params(index),
             request.arrival_time, request.priority, request.client_index, parent_id=self.request_id,
+            lora_request=request.lora_request,
         )
 
 

@@ -6,7 +6,9 @@ import time
 from functools import cached_property
 from typing import Any, Union
 
-from compiled_llm.config import ModelConfig
+from compiled_llm.config import LoRAConfig, ModelConfig
+from compiled_llm.lora.peft_adapter import check_fits, load_peft_adapter
+from compiled_llm.lora.request import LoRARequest
 from compiled_llm.messages.engine_core import EngineCoreRequest
 from compiled_llm.pooling_params import PoolingParams
 from compiled_llm.sampling_params import SamplingParams
@@ -20,8 +22,11 @@ PromptType = Union[str, list[int], dict[str, Any]]
 
 
 class Processor:
-    def __init__(self, model_config: ModelConfig, tokenizer: Any, scheduling_policy: str = "fcfs") -> None:
+    def __init__(self, model_config: ModelConfig, tokenizer: Any, scheduling_policy: str = "fcfs",
+                 lora_config: LoRAConfig | None = None) -> None:
         self.model_config = model_config
+        self.lora_config = lora_config
+        self._checked_loras: set[tuple[int, str]] = set()  # (id, path) of adapters read and found to fit
         self.tokenizer = tokenizer
         self.scheduling_policy = scheduling_policy
         # The embedding's rows: a larger id cannot be looked up (a tokenizer may know more tokens).
@@ -73,6 +78,7 @@ class Processor:
         arrival_time: float | None = None,
         priority: int = 0,
         check_grammar: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[EngineCoreRequest, str | None]:
         """`check_grammar=False`: the caller parses the structured outputs constraint itself
         (`validate_structured_outputs`), elsewhere than where it tokenizes."""
@@ -87,6 +93,7 @@ class Processor:
                 "no text; use the embeddings, pooling, score or rerank APIs." if not pooling else
                 "This model is served to generate text: embeddings and pooling need --runner pooling --convert embed."
             )
+        self.check_lora(lora_request)
         text, token_ids = self.tokenize(prompt)
         if isinstance(params, PoolingParams):  # prompt-only: one forward, nothing sampled
             self.validate(token_ids, _POOLING_SAMPLING)
@@ -94,8 +101,25 @@ class Processor:
             return EngineCoreRequest(request_id, token_ids, _POOLING_SAMPLING, arrival_time or time.time(), priority,
                                      pooling_params=params), text
         params = self.validate(token_ids, params, check_grammar)
-        request = EngineCoreRequest(request_id, token_ids, params, arrival_time or time.time(), priority)
+        request = EngineCoreRequest(request_id, token_ids, params, arrival_time or time.time(), priority,
+                                    lora_request=lora_request)
         return request, text
+
+    def check_lora(self, lora_request: LoRARequest | None) -> None:
+        """Refuse (ValueError naming the problem) an adapter the engine could not load: LoRA off, an
+        unreadable or unsupported adapter, a rank above max_lora_rank, one made for another model.
+        Each adapter is read once here; the engine trusts what passed."""
+        if lora_request is None:
+            return
+        if self.lora_config is None:
+            raise ValueError(f"LoRA adapter {lora_request.lora_name!r}: this engine runs without LoRA "
+                             "(start it with enable_lora / --enable-lora).")
+        key = (lora_request.lora_int_id, lora_request.lora_path)
+        if key in self._checked_loras:
+            return
+        adapter = load_peft_adapter(lora_request.lora_path, self.lora_config.max_lora_rank)
+        check_fits(adapter, self.model_config.hf_config)
+        self._checked_loras.add(key)
 
     def validate(self, token_ids: list[int], params: SamplingParams, check_grammar: bool = True) -> SamplingParams:
         """Check the request against the model; returns params with `max_tokens` filled in."""

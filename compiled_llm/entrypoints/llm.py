@@ -17,6 +17,7 @@ from compiled_llm.entrypoints.chat_utils import (
     resolve_content_format,
 )
 from compiled_llm.entrypoints.score_utils import cosine_score, pair_up
+from compiled_llm.lora.request import LoRARequest
 from compiled_llm.outputs import (
     EmbeddingRequestOutput,
     PoolingRequestOutput,
@@ -54,9 +55,11 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Outputs in the order of `prompts`. `priority`: one per prompt, lower first (needs
-        `scheduling_policy="priority"`)."""
+        `scheduling_policy="priority"`). `lora_request`: the adapter every prompt runs with, or one
+        per prompt (None: the base model); needs `enable_lora=True`."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -73,7 +76,14 @@ class LLM:
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"Got {len(priorities)} priorities for {len(prompts)} prompts; pass one per prompt.")
-        return self._run(prompts, params_list, use_tqdm, priorities)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"Got {len(loras)} LoRA requests for {len(prompts)} prompts; pass one, or one per "
+                                 "prompt.")
+        return self._run(prompts, params_list, use_tqdm, priorities, loras)
 
     def encode(
         self,
@@ -174,15 +184,16 @@ class LLM:
 
     def _run(
         self, prompts: list[PromptType], params_list: Sequence[SamplingParams | PoolingParams], use_tqdm: bool,
-        priorities: list[int],
+        priorities: list[int], loras: Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput | PoolingRequestOutput]:
         engine = self.llm_engine
         # Validate everything first: a bad prompt raises before any request is queued.
         processed = []
-        for prompt, params, priority in zip(prompts, params_list, priorities):
+        for prompt, params, priority, lora in zip(prompts, params_list, priorities, loras or [None] * len(prompts)):
             if isinstance(params, SamplingParams):
                 params = params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
-            processed.append(engine.process(str(next(self._ids)), prompt, params, priority=priority))
+            processed.append(engine.process(str(next(self._ids)), prompt, params, priority=priority,
+                                            lora_request=lora))
         order = {request.request_id: i for i, (request, _) in enumerate(processed)}
         for request, text in processed:
             engine.add_processed(request, text)

@@ -9,6 +9,7 @@ import enum
 
 import msgspec
 
+from compiled_llm.lora.request import LoRARequest
 from compiled_llm.messages.runner_output import LogprobsLists, PooledTensor
 from compiled_llm.pooling_params import PoolingParams
 from compiled_llm.sampling_params import SamplingParams
@@ -28,6 +29,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     parent_id: str = ""
     # A pooling request (the pooling runner serves only these): its prompt is pooled, nothing sampled.
     pooling_params: PoolingParams | None = None
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from compiled_llm.lora.request import LoRARequest
 from compiled_llm.pooling_params import PoolingParams
 from compiled_llm.sampling_params import SamplingParams
 
@@ -19,6 +20,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     pooling_params: PoolingParams | None = None  # a pooling request's
+    lora_request: LoRARequest | None = None  # its adapter (None: the base model)
 
 
 @dataclass

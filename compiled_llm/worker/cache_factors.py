@@ -34,6 +34,9 @@ def engine_cache_factors(config: EngineConfig, rank: int, role: str | None = Non
     quant_config = get_quantization_config(mc.quantization, mc)
     if quant_config is not None:  # the weight format: the method and its parameters (the graph calls its ops)
         factors["quantization"] = quant_config.cache_factors()
+    if config.lora_config is not None and role is None:  # the slots' shapes; adapters are data, not code
+        factors["lora"] = {"max_loras": config.lora_config.max_loras,
+                           "max_lora_rank": config.lora_config.max_lora_rank}
     if role is not None:
         factors["role"] = role
     return factors

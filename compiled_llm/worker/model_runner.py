@@ -26,9 +26,11 @@ from compiled_llm.distributed.communication import broadcast_from_driver
 from compiled_llm.distributed.parallel_state import tensor_parallel
 from compiled_llm.kernels.cpu_extension import uses_cpu_kernels
 from compiled_llm.logger import init_logger
+from compiled_llm.lora.manager import LoRAManager
 from compiled_llm.messages.runner_output import LogprobsLists, ModelRunnerOutput
 from compiled_llm.messages.scheduler_output import SchedulerOutput
 from compiled_llm.models.layers.attention import Attention
+from compiled_llm.models.layers.lora import install_lora
 from compiled_llm.models.loader import build_model
 from compiled_llm.utils import cdiv
 from compiled_llm.worker import kv_cache_sizing
@@ -65,7 +67,8 @@ class ModelRunner:
 
         started = time.perf_counter()
         # Builds the C++ CPU kernels once per machine, now rather than mid-step.
-        self.model = build_model(mc, self.device, cpu_kernels=uses_cpu_kernels(self.device, mc.dtype))
+        cpu_kernels = uses_cpu_kernels(self.device, mc.dtype)
+        self.model = build_model(mc, self.device, cpu_kernels=cpu_kernels)
         self.load_seconds = time.perf_counter() - started
         self.tensor_parallel = tensor_parallel()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -81,6 +84,13 @@ class ModelRunner:
         )
         self.inputs = StepInputs(self.max_num_tokens, self.max_num_reqs, max_blocks_per_req, self.block_size,
                                  self.device)
+        self.lora: LoRAManager | None = None  # LoRA on: the adapters in the model's slots
+        if config.lora_config is not None:
+            lc = config.lora_config
+            layers, scalings = install_lora(self.model, lc.max_loras, lc.max_lora_rank, self.inputs.lora_indices.gpu,
+                                            mc.dtype, cpu_kernels)
+            self.lora = LoRAManager(layers, scalings, lc.max_loras, lc.max_lora_rank, lc.max_cpu_loras)
+            self.lora_rows = np.zeros(rows, dtype=np.int64)  # each row's adapter id (0: the base model)
         self.sampler = Sampler()
         self.speculative_config = spec = config.speculative_config
         self.rejection_sampler = RejectionSampler(self.sampler)
@@ -183,6 +193,8 @@ class ModelRunner:
             batch.num_computed_tokens[row] = cached.num_computed_tokens
         for new in out.scheduled_new_reqs:
             row = batch.add(new)
+            if self.lora is not None:
+                self.lora_rows[row] = self.lora.add_adapter(new.lora_request)
             if self.drafter is not None:
                 self.drafter.reset_row(row)
         if self.speculative_config is not None:
@@ -224,7 +236,9 @@ class ModelRunner:
         padded_reqs = descriptor.num_reqs if descriptor is not None and descriptor.num_reqs else len(req_ids)
         if self.drafter is not None:  # its drafts replace the scheduler's placeholders
             self.drafter.propose(batch, rows, num_sched)
-        metadata, seq_lens = self.inputs.prepare(batch, rows, num_sched, num_decodes, padded_tokens, padded_reqs)
+        lora_slots = self.lora.slots_for(self.lora_rows[rows]) if self.lora is not None else None
+        metadata, seq_lens = self.inputs.prepare(batch, rows, num_sched, num_decodes, padded_tokens, padded_reqs,
+                                                 lora_slots=lora_slots)
         self._feed_pending_tokens(rows, metadata.query_start_loc_cpu)
         with set_forward_context(metadata, mode, descriptor):
             hidden = self.model_forward(*self.inputs.model_args(padded_tokens))

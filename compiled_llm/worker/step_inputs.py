@@ -29,6 +29,8 @@ class StepInputs:
         self.query_start_loc = buffer(max_num_reqs + 1, dtype=torch.int32)
         self.seq_lens = buffer(max_num_reqs, dtype=torch.int32)
         self.block_tables = buffer(max_num_reqs, max_blocks_per_req, dtype=torch.int32)
+        # LoRA: each token's adapter slot (-1: the base model), read by every LoRA layer.
+        self.lora_indices = buffer(max_num_tokens, fill=-1)
         self._arange = np.arange(max(max_num_tokens, max_num_reqs) + 1, dtype=np.int64)
         # The host buffers are copied asynchronously; the next step may only overwrite them once
         # those copies ran (a step that samples nothing never waits on the device otherwise).
@@ -43,13 +45,15 @@ class StepInputs:
         padded_tokens: int,
         padded_reqs: int,
         computed: np.ndarray | None = None,
+        lora_slots: np.ndarray | None = None,
     ) -> tuple[AttentionMetadata, np.ndarray]:
         """Fill the buffers with the flat batch of `rows` (its `num_decodes` decodes first), padded
         to `padded_tokens` tokens and `padded_reqs` requests for a CUDA graph: padded tokens have
         slot -1 (no KV write), padded requests the null block, length 0 and the last offset.
         Returns the metadata (views of the buffers, sized to the padded batch) and the requests'
         sequence lengths. `computed`: where each row's tokens start (default: its computed tokens;
-        a draft model catching up starts earlier)."""
+        a draft model catching up starts earlier). `lora_slots` (LoRA on): each request's adapter
+        slot, spread over its tokens (padded tokens: -1)."""
         self._wait_for_copies()
         num_reqs = len(rows)
         cu = np.cumsum(num_sched)
@@ -63,6 +67,10 @@ class StepInputs:
         self.input_ids.np[:total] = batch.token_ids[token_rows, positions]
         block_ids = batch.block_table[token_rows, positions // self.block_size]
         self.slot_mapping.np[:total] = block_ids * self.block_size + positions % self.block_size
+        if lora_slots is not None:
+            self.lora_indices.np[:total] = lora_slots[token_req]
+            self.lora_indices.np[total:padded_tokens] = -1
+            self.lora_indices.copy_to_device(padded_tokens)
         self.query_start_loc.np[0] = 0
         self.query_start_loc.np[1 : num_reqs + 1] = cu
         seq_lens = computed + num_sched
@@ -95,6 +103,8 @@ class StepInputs:
         self.input_ids.np[:num_tokens] = 0
         self.positions.np[:num_tokens] = np.concatenate([np.arange(n) for n in lens])
         self.slot_mapping.np[:num_tokens] = -1
+        self.lora_indices.np[:num_tokens] = -1
+        self.lora_indices.copy_to_device(num_tokens)
         self.query_start_loc.np[: num_reqs + 1] = starts
         self.seq_lens.np[:num_reqs] = lens
         self.block_tables.np[:num_reqs] = 0

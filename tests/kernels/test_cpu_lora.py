@@ -1,0 +1,107 @@
+"""The batched LoRA kernels on a CPU (kernels/csrc/cpu_lora.cpp, and the torch reference in
+kernels/lora.py that the generic op runs) against a float64 per-token loop: every token its own
+slot (or -1, no adapter), fused layers with up to three output slices, a slot-index buffer longer
+than the batch (the runner's is max_num_batched_tokens long), strided activations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from compiled_llm.kernels.cpu_extension import cpu_kernels_available
+from compiled_llm.kernels.lora import lora_expand_reference, lora_shrink_reference
+
+
+def loop_shrink(x, a, idx):
+    t = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float64)
+    for i in range(x.shape[0]):
+        if idx[i] >= 0:
+            t[i] = a[idx[i]].double() @ x[i].double()
+    return t
+
+
+def loop_expand(y, t, b, scalings, idx, slices):
+    rank = b.shape[2]
+    out = y.double().clone()
+    for i in range(y.shape[0]):
+        s = int(idx[i])
+        if s < 0:
+            continue
+        start = 0
+        for j, size in enumerate(slices):
+            out[i, start : start + size] += float(scalings[s]) * (
+                b[s, start : start + size].double() @ t[i, j * rank : (j + 1) * rank].double())
+            start += size
+    return out
+
+
+@st.composite
+def lora_case(draw):
+    tokens = draw(st.integers(1, 40))
+    k = draw(st.integers(1, 80))
+    slices = draw(st.lists(st.integers(1, 300), min_size=1, max_size=3))
+    rank = draw(st.integers(1, 20))
+    slots = draw(st.integers(1, 4))
+    seed = draw(st.integers(0, 2**16))
+    strided = draw(st.booleans())
+    g = torch.Generator().manual_seed(seed)
+    wide = torch.randn(tokens, k + (7 if strided else 0), generator=g)
+    x = wide[:, 3 : 3 + k] if strided else wide
+    a = torch.randn(slots, len(slices) * rank, k, generator=g)
+    b = torch.randn(slots, sum(slices), rank, generator=g)
+    scalings = torch.rand(slots, generator=g) * 2
+    idx = torch.randint(-1, slots, (tokens + draw(st.integers(0, 5)),), generator=g)
+    y = torch.randn(tokens, sum(slices), generator=g)
+    return x, a, b, scalings, idx, y, slices
+
+
+def check(shrink, expand, case) -> None:
+    x, a, b, scalings, idx, y, slices = case
+    t = shrink(x, a, idx)
+    torch.testing.assert_close(t.double(), loop_shrink(x, a, idx), rtol=1e-5, atol=1e-4)
+    out = expand(y, t, b, scalings, idx, slices)
+    torch.testing.assert_close(out.double(), loop_expand(y, t, b, scalings, idx, slices), rtol=1e-5, atol=1e-4)
+    base = idx[: x.shape[0]] < 0
+    assert torch.equal(out[base], y[base]), "a token without an adapter must keep its base output exactly"
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lora_case())
+def test_cpp_kernels_match_float64(case):
+    if not cpu_kernels_available():
+        pytest.skip("C++ CPU kernels not built")
+    ops = torch.ops.compiled_llm_cpu
+    check(ops.lora_shrink, ops.lora_expand, case)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lora_case())
+def test_torch_reference_matches_float64(case):
+    check(lora_shrink_reference, lora_expand_reference, case)
+
+
+def test_the_generic_ops_trace_as_opaque_calls():
+    """Dynamo keeps both ops as single calls (their fakes give the shapes), so a compiled piece
+    takes the slot indices as an input and works for any mix of adapters without recompiling."""
+    import compiled_llm.kernels.lora  # noqa: F401
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def f(x, a, b, s, idx):
+        t = torch.ops.compiled_llm.lora_shrink(x, a, idx)
+        return torch.ops.compiled_llm.lora_expand(x @ x.new_ones(x.shape[1], 6), t, b, s, idx, [4, 2])
+
+    x, a, b = torch.randn(5, 8), torch.randn(2, 6, 8), torch.randn(2, 6, 3)
+    s = torch.ones(2)
+    compiled = torch.compile(f, backend=backend, fullgraph=True)
+    for idx in (torch.tensor([0, 1, -1, 1, 0]), torch.tensor([-1, -1, 1, 0, 0])):
+        torch.testing.assert_close(compiled(x, a, b, s, idx), f(x, a, b, s, idx))
+    assert len(graphs) == 1
+    targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert "compiled_llm.lora_shrink" in targets and "compiled_llm.lora_expand" in targets
