@@ -166,6 +166,7 @@ def _error(call) -> tuple[int, dict[str, Any]]:
     ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
     ({"input": []}, "input"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"max_output_tokens": 5000}, "max_output_tokens"),  # past the context
     ({"tools": TOOLS, "tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
     ({"tools": [{"type": "function", "parameters": ADD}]}, "tools[0].name"),
@@ -185,6 +186,7 @@ def test_store_is_off_by_default(api_server):
                  lambda: c.responses.create(model="smol", input="hi", previous_response_id=response.id)):
         status, body = _error(call)
         assert status == 404 and response.id in body["message"]
+    assert body["param"] == "previous_response_id"
 
 
 def test_previous_response_get_and_delete(tiny_api_server):

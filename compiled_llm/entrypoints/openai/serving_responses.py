@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Iterator
 
 import pydantic
 from fastapi import Request
@@ -73,8 +73,8 @@ _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant"
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
-def _not_found(response_id: str) -> OpenAIError:
-    return OpenAIError(f"Response with id '{response_id}' not found.", 404, param="response_id")
+def _not_found(response_id: str, param: str = "response_id") -> OpenAIError:
+    return OpenAIError(f"Response with id '{response_id}' not found.", 404, param=param)
 
 
 def _string(item: dict[str, Any], key: str, param: str) -> str:
@@ -246,7 +246,7 @@ class OpenAIServingResponses:
         if request.previous_response_id is not None:
             previous = self.store.get(request.previous_response_id) if self.store is not None else None
             if previous is None:
-                raise _not_found(request.previous_response_id)
+                raise _not_found(request.previous_response_id, "previous_response_id")
             conversation = [*previous.conversation,
                             *(item.model_dump() for item in previous.response.output)]
         messages = chat_messages(conversation) + chat_messages(items)
@@ -265,7 +265,11 @@ class OpenAIServingResponses:
             reasoning_parser = REASONING_PARSERS[reasoning] if structured is None else Qwen3ReasoningParser
         structured = structured or tools.structured_outputs()
         text, ids = await chat.render(creq.messages, True, None, chat.template_kwargs(creq, tools.template_tools))
-        chat.check_length(len(ids), creq.max_tokens)
+        try:
+            chat.check_length(len(ids), creq.max_tokens)
+        except OpenAIError as e:  # named as chat names it
+            e.param = "max_output_tokens"
+            raise
         params = chat.sampling_params(creq, creq.max_tokens, None, None, structured)
         request_id = f"resp_{request.request_id or random_uuid()}"
         stream = await chat.add_request(request_id, {"prompt": text, "prompt_token_ids": ids}, params, creq.priority)
@@ -385,9 +389,9 @@ class StreamedOutput:
 
     output: list[OutputItem] = field(default_factory=list)
     text: str = ""  # the open message's or reasoning item's text
-    calls: dict[int, FunctionToolCall] = field(default_factory=dict)  # the tool-call streamer's index -> its item
+    calls: dict[int, int] = field(default_factory=dict)  # the tool-call streamer's index -> the call's output index
     open: bool = False
-    numbers: Any = field(default_factory=itertools.count)
+    numbers: Iterator[int] = field(default_factory=itertools.count)
 
     def lifecycle(self, kind: Any, response: ResponsesResponse) -> str:
         return sse(ResponseLifecycleEvent(type=kind, sequence_number=next(self.numbers), response=response))
@@ -427,12 +431,13 @@ class StreamedOutput:
     def call_delta(self, index: int, name: str | None, arguments: str) -> list[str]:
         events: list[str] = []
         if name is not None:  # a call's first delta
-            self.calls[index] = FunctionToolCall(name=name, status="in_progress")
-            events = self._add(self.calls[index])
-        call = self.calls[index]
+            events = self._add(FunctionToolCall(name=name, status="in_progress"))
+            self.calls[index] = len(self.output) - 1
+        position = self.calls[index]
+        call = self.output[position]
+        assert isinstance(call, FunctionToolCall)
         if arguments:
             call.arguments += arguments
-            position = self.output.index(call)
             events.append(event(arguments_delta_event(next(self.numbers), call.id, position, arguments)))
         return events
 
