@@ -180,3 +180,37 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     def clone(self, **changes) -> "SamplingParams":
         return msgspec.structs.replace(self, **changes)
+
+
+class BeamSearchParams(msgspec.Struct, omit_defaults=True):
+    """How `LLM.beam_search` searches (vLLM's names and defaults): the `beam_width` best sequences
+    of at most `max_tokens` tokens, ranked with `length_penalty` (see entrypoints/beam_search.py).
+
+    `temperature` is accepted as vLLM accepts it; the candidates are ranked by the model's raw
+    log-probabilities (as vLLM ranks them), which no temperature changes. Beyond vLLM's fields:
+    `early_stopping` (Hugging Face's `True`: stop once `beam_width` beams have finished) and
+    `stop_token_ids` (tokens that end a beam as EOS does).
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    early_stopping: bool = False
+    stop_token_ids: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("beam_width", "max_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= _INT64_MAX:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}.")
+        if not (isinstance(self.length_penalty, (int, float)) and math.isfinite(self.length_penalty)):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}.")
+        ids = self.stop_token_ids or []
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= _INT64_MAX for t in ids):
+            raise ValueError(f"stop_token_ids must hold non-negative token ids, got {self.stop_token_ids!r}.")

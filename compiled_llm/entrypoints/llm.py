@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 from compiled_llm.engine.arg_utils import EngineArgs
 from compiled_llm.engine.llm_engine import LLMEngine
 from compiled_llm.engine.processor import PromptType
+from compiled_llm.entrypoints.beam_search import BeamSearch, BeamSearchOutput, run_sync
 from compiled_llm.entrypoints.chat_utils import (
     ChatTemplateContentFormatOption,
     format_content,
@@ -26,7 +27,7 @@ from compiled_llm.outputs import (
     ScoringRequestOutput,
 )
 from compiled_llm.pooling_params import PoolingParams
-from compiled_llm.sampling_params import RequestOutputKind, SamplingParams
+from compiled_llm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 ChatMessages = list[dict[str, Any]]
 
@@ -181,6 +182,32 @@ class LLM:
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """The `params.beam_width` best sequences of each prompt by beam search, best first (vLLM's
+        `LLM.beam_search`). As in vLLM, a sequence's `tokens` and `text` include its prompt. The
+        searches run side by side: each step is one batch of every live beam of every prompt."""
+        if isinstance(prompts, (str, dict)) or (prompts and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]  # type: ignore[list-item]
+        engine = self.llm_engine
+        searches = [BeamSearch(engine.processor.tokenize(prompt)[1], params, engine.config.model_config)
+                    for prompt in prompts]
+        bar = tqdm(total=params.max_tokens, desc="Beam search", unit="step", disable=not use_tqdm)
+
+        def step(step_prompts: list[list[int]], step_params: list[SamplingParams]) -> list[RequestOutput]:
+            bar.update(1)
+            return self.generate(step_prompts, step_params, use_tqdm=False)  # type: ignore[arg-type]
+
+        try:
+            run_sync(searches, step)
+        finally:
+            bar.close()
+        return [search.output(self.get_tokenizer().decode) for search in searches]
 
     def _run(
         self, prompts: list[PromptType], params_list: Sequence[SamplingParams | PoolingParams], use_tqdm: bool,

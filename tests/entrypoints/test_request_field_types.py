@@ -115,11 +115,11 @@ def test_chat_template_kwargs_may_set_the_generation_prompt(api_server):
 
 def test_undeclared_fields_are_never_read_as_attributes():
     """pydantic would hand out an undeclared field's raw JSON as an attribute: it is kept aside only."""
-    request = ChatCompletionRequest.model_validate({"messages": [], "frobnicate": ["a"], "use_beam_search": True})
+    request = ChatCompletionRequest.model_validate({"messages": [], "frobnicate": ["a"], "bad_words": ["b"]})
     assert getattr(request, "frobnicate", None) is None and request.model_extra["frobnicate"] == ["a"]
     with pytest.raises(AttributeError, match="not declared"):
-        request.use_beam_search  # noqa: B018
-    assert request.refused_field() == "use_beam_search" and request.ignored_fields() == ["frobnicate"]
+        request.bad_words  # noqa: B018
+    assert request.refused_field() == "bad_words" and request.ignored_fields() == ["frobnicate"]
 
 
 # ---- every field, every JSON type ----------------------------------------------------------------

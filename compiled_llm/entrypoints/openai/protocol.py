@@ -15,6 +15,7 @@ from typing import Annotated, Any, Callable, ClassVar, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
+from compiled_llm.sampling_params import BeamSearchParams
 from compiled_llm.utils import random_uuid
 
 # Every integer a client sends must fit the int64 the engine stores it in: a bigger one would
@@ -226,7 +227,6 @@ class SamplingRequest(RequestModel):
         "store": (False,), "service_tier": ("auto", "default"), "prediction": (), "audio": (),
         "modalities": (["text"],), "web_search_options": (), "verbosity": (), "reasoning_effort": (),
         # vLLM's
-        "use_beam_search": (False,), "length_penalty": (1, 1.0), "early_stopping": (False,),
         "watermarking": (False,), "allowed_token_ids": (), "bad_words": (),
         "cache_salt": (), "kv_transfer_params": (), "ec_transfer_params": (), "vllm_xargs": (),
         "repetition_detection": (), "thinking_token_budget": (-1,), "stream_interval": (1,),
@@ -264,6 +264,10 @@ class SamplingRequest(RequestModel):
     spaces_between_special_tokens: bool = True
     stop_token_ids: list[TokenId] | None = None
     priority: Int64 = 0  # lower first, under --scheduling-policy priority
+    # Beam search, n beams wide (entrypoints/beam_search.py)
+    use_beam_search: bool = False
+    length_penalty: Float32 = 1.0
+    early_stopping: bool = False
     prompt_logprobs: LogprobsCount | None = None
     truncate_prompt_tokens: LogprobsCount | None = None  # keep the last k prompt tokens; -1: max_model_len
     truncation_side: Literal["left", "right"] | None = None  # left (default): keep the last k; right: the first
@@ -293,7 +297,37 @@ class SamplingRequest(RequestModel):
             return "best_of other than n is not supported."
         if self.truncate_prompt_tokens == 0:
             return "truncate_prompt_tokens must be -1 (the model's context) or at least 1."
+        return self._beam_search_conflict()
+
+    def _beam_search_conflict(self) -> str | None:
+        """With use_beam_search, the first field beam search cannot honour that is set to anything
+        but its no-op; without it, beam search's own fields. (Structured outputs: the handlers.)"""
+        if not self.use_beam_search:
+            if self.length_penalty != 1.0 or self.early_stopping:
+                return "length_penalty and early_stopping apply to beam search only: set use_beam_search to true."
+            return None
+        conflicts = {
+            "top_p": self.top_p not in (None, 1.0), "top_k": self.top_k not in (None, 0, -1),
+            "min_p": self.min_p not in (None, 0.0), "presence_penalty": bool(self.presence_penalty),
+            "frequency_penalty": bool(self.frequency_penalty),
+            "repetition_penalty": self.repetition_penalty not in (None, 1.0), "logit_bias": bool(self.logit_bias),
+            "min_tokens": self.min_tokens > 0, "stop": bool(self.stop),
+            "prompt_logprobs": self.prompt_logprobs is not None,
+        }
+        for name, conflict in conflicts.items():
+            if conflict:
+                return (f"`{name}` is not supported with use_beam_search: beam search ranks beams by the model's own "
+                        "log-probabilities and ends them at EOS or at stop_token_ids.")
         return None
+
+    def to_beam_search_params(self, max_tokens: int) -> BeamSearchParams:
+        """vLLM's: a search n beams wide (ValueError for values out of range)."""
+        return BeamSearchParams(
+            beam_width=1 if self.n is None else self.n, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
+            temperature=1.0 if self.temperature is None else self.temperature, length_penalty=self.length_penalty,
+            include_stop_str_in_output=self.include_stop_str_in_output, early_stopping=self.early_stopping,
+            stop_token_ids=self.stop_token_ids,
+        )
 
     def logit_bias_ids(self) -> dict[int, float] | None:
         return {int(k): float(v) for k, v in self.logit_bias.items()} if self.logit_bias else None
@@ -319,6 +353,8 @@ class CompletionRequest(SamplingRequest):
     def unsupported(self) -> str | None:
         if self.suffix:
             return "suffix is not supported."
+        if self.stream and self.use_beam_search:  # (vLLM's words; chat streams the finished beams)
+            return "Streaming is not currently supported with beam search."
         return super().unsupported()
 
     @property

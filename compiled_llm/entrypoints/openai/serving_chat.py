@@ -187,7 +187,11 @@ class OpenAIServingChat(OpenAIServing):
         prompt_logprobs = self.logprobs_count(request.prompt_logprobs, "prompt_logprobs", "prompt")
         params = self.sampling_params(request, max_tokens, num_top, prompt_logprobs, structured)
         request_id = f"chatcmpl-{self.base_request_id(request)}"
-        stream = await self.add_request(request_id, {"prompt": text, "prompt_token_ids": ids}, params, request.priority)
+        engine_prompt = {"prompt": text, "prompt_token_ids": ids}
+        if request.use_beam_search:  # streamed too (as vLLM): the beams' texts come when the search ends
+            stream = self.beam_search_streams(request_id, [engine_prompt], request, max_tokens, num_top, structured)[0]
+        else:
+            stream = await self.add_request(request_id, engine_prompt, params, request.priority)
         echo = message_text(request.messages[-1]) if request.echo and request.messages[-1].role == "assistant" else ""
         reply = _Reply(request, request_id, tools, ids, text, num_top or 0, echo, reasoning_parser, bool(reasoning))
         if request.stream:

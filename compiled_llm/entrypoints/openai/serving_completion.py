@@ -92,7 +92,11 @@ class OpenAIServingCompletion(OpenAIServing):
             if request.echo and prompt.text is None:
                 prompt.text = await self.engine.detokenize(prompt.token_ids)
         engine_prompts = [{"prompt": p.text, "prompt_token_ids": p.token_ids} for p in prompts]
-        streams = await self.add_requests(plan.request_id, engine_prompts, params, request.priority)
+        if request.use_beam_search:
+            streams = self.beam_search_streams(plan.request_id, engine_prompts, request, max_tokens, num_top,
+                                               structured)
+        else:
+            streams = await self.add_requests(plan.request_id, engine_prompts, params, request.priority)
         ids = [s.request_id for s in streams]
         if request.stream:
             return event_stream(self._events(plan, streams), ids, self.engine)

@@ -15,6 +15,7 @@ from compiled_llm.engine.async_llm import AsyncLLM, RequestStream
 from compiled_llm.engine.core_client import EngineDeadError
 from compiled_llm.engine.processor import PromptType
 from compiled_llm.engine.tokenizer import TokenTexts
+from compiled_llm.entrypoints.beam_search import BeamSearch, BeamSearchStream
 from compiled_llm.entrypoints.chat_utils import load_chat_template
 from compiled_llm.entrypoints.openai.errors import OpenAIError, engine_dead_message, error_body
 from compiled_llm.entrypoints.openai.protocol import PromptTokensDetails, RequestModel, SamplingRequest, UsageInfo
@@ -199,6 +200,28 @@ class OpenAIServing:
         except BaseException:
             await self.engine.abort([s.request_id for s in streams])
             raise
+        return streams
+
+    def beam_search_streams(
+        self, request_id: str, prompts: list[dict], request: SamplingRequest, max_tokens: int | None,
+        num_logprobs: int | None, structured_outputs: StructuredOutputsParams | None,
+    ) -> list[BeamSearchStream]:
+        """vLLM's `use_beam_search`: a search n beams wide per prompt (each prompt's room in the
+        context when `max_tokens` is None); a 400 for what beam search cannot do."""
+        if structured_outputs is not None:
+            raise OpenAIError("Structured outputs (response_format, structured_outputs, a tool_choice that forces a "
+                              "call) are not supported with use_beam_search.", param="use_beam_search")
+        streams = []
+        for i, prompt in enumerate(prompts):
+            ids = prompt["prompt_token_ids"]
+            room = self.max_model_len - len(ids)
+            try:
+                params = request.to_beam_search_params(room if max_tokens is None else max_tokens)
+                search = BeamSearch(ids, params, self.engine.model_config, num_logprobs or 0)
+            except ValueError as e:
+                raise OpenAIError(str(e)) from e
+            streams.append(BeamSearchStream(self.engine, f"{request_id}-{i}", prompt.get("prompt"), search,
+                                            request.priority))
         return streams
 
 
