@@ -51,7 +51,8 @@ def test_text_equals_chat_completions(api_server):
         c = async_client(api_server)
         common = {"model": "smol", "temperature": 0}
         return await asyncio.gather(
-            c.responses.create(input=QUESTION, max_output_tokens=24, metadata={"k": "v"}, **common),
+            c.responses.create(input=QUESTION, max_output_tokens=24, metadata={"k": "v"},
+                               include=["reasoning.encrypted_content"], **common),
             c.chat.completions.create(messages=[{"role": "user", "content": QUESTION}], max_tokens=24, **common),
             c.responses.create(input=QUESTION, instructions=INSTRUCTIONS, max_output_tokens=24, **common),
             c.responses.create(input=as_items, max_output_tokens=24, **common),
@@ -166,6 +167,7 @@ def _error(call) -> tuple[int, dict[str, Any]]:
     ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
     ({"input": []}, "input"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"include": ["reasoning.encrypted_content", "message.output_text.logprobs"]}, "include"),
     ({"max_output_tokens": 5000}, "max_output_tokens"),  # past the context
     ({"tools": TOOLS, "tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),

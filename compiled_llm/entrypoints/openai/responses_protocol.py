@@ -63,9 +63,9 @@ class ResponsesRequest(RequestModel):
     stream: bool = False
     background: bool = False  # refused when true, with a 400 that says why
     previous_response_id: str | None = None
-    # Accepted and echoed; nothing here acts on them (the reasoning parser decides what is reasoning).
+    # Accepted and echoed; nothing here acts on it (the reasoning parser decides what is reasoning).
     reasoning: dict[str, Any] | None = None
-    include: list[str] | None = None
+    include: list[str] | None = None  # only what needs nothing added (a 400 names the rest)
     user: str | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None

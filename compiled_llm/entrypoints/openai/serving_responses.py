@@ -71,6 +71,8 @@ logger = init_logger(__name__)
 
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
+# What `include` may name: reasoning is never encrypted here, so there is nothing to add for it.
+_INCLUDABLE = ("reasoning.encrypted_content",)
 
 
 def _not_found(response_id: str, param: str = "response_id") -> OpenAIError:
@@ -236,6 +238,10 @@ class OpenAIServingResponses:
         if request.background:
             raise OpenAIError("background mode is not supported by this server: send the request without "
                               "`background` (or with it false).", param="background")
+        unserved = [name for name in request.include or [] if name not in _INCLUDABLE]
+        if unserved:
+            raise OpenAIError(f"include {unserved[0]!r} is not supported by this server (it can include: "
+                              f"{', '.join(_INCLUDABLE)}).", param="include")
         if request.max_output_tokens is not None and request.max_output_tokens < 1:
             raise OpenAIError(f"max_output_tokens must be at least 1, got {request.max_output_tokens}.",
                               param="max_output_tokens")
