@@ -221,12 +221,6 @@ def test_previous_response_get_and_delete(tiny_api_server):
     assert unstored.store is False and _error(lambda: c.responses.retrieve(unstored.id))[0] == 404
 
 
-def test_invocations_takes_a_responses_body(tiny_api_server):
-    body = {"model": "tiny", "input": "hi", "max_output_tokens": 2}
-    answer = httpx.post(tiny_api_server.url + "/invocations", json=body, timeout=TIMEOUT).json()
-    assert answer["object"] == "response" and answer["usage"]["output_tokens"] == 2
-
-
 def test_store_evicts_least_recently_used():
     def response(i: int) -> ResponsesResponse:
         message = OutputMessage(content=[OutputText(text="x" * 100)])

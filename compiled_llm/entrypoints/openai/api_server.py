@@ -252,8 +252,7 @@ def build_app(
     @app.post("/invocations")
     async def invocations(raw_request: Request) -> Response:
         return await invoke(raw_request, [(ChatCompletionRequest, chat.create_chat_completion),
-                                          (CompletionRequest, completions.create_completion),
-                                          (ResponsesRequest, responses.create_response)])
+                                          (CompletionRequest, completions.create_completion)])
 
     if server_args.enable_tokenizer_info_endpoint:
         @app.get("/tokenizer_info")
