@@ -129,3 +129,17 @@ def test_an_engine_without_lora_refuses_an_adapter(tiny_llama, adapters):
     llm = LLM(tiny_llama, optimization_level=0, kv_cache_memory_bytes=4 << 20, max_model_len=256)
     with pytest.raises(ValueError, match="enable_lora"):
         llm.generate(PROMPTS[:1], GREEDY, lora_request=adapters["qv"][0], use_tqdm=False)
+
+
+def test_a_warm_start_serves_other_adapters_without_compiling(llm, adapters, tiny_llama):
+    """Adapters are data: a second engine with the same LoRA settings loads every piece from the
+    first one's compile cache entry (zero Inductor runs) and serves an adapter the first never saw
+    loaded in the same slot order, with the same tokens."""
+    cache = llm.llm_engine.config.compilation_config.cache_dir
+    warm = LLM(tiny_llama, enable_lora=True, max_loras=3, max_lora_rank=8, optimization_level=1, compile_cache=cache,
+               kv_cache_memory_bytes=16 << 20, max_model_len=512, require_cache_hit=True)
+    report = warm.llm_engine.engine_core.executor.driver.compiled_forward.report
+    assert report.inductor_compilations == 0 and report.artifacts_loaded > 0
+    request = adapters["mlp"][0]
+    assert tokens(warm.generate(PROMPTS, GREEDY, lora_request=request, use_tqdm=False)) == \
+        tokens(llm.generate(PROMPTS, GREEDY, lora_request=request, use_tqdm=False))
