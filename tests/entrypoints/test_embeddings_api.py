@@ -166,6 +166,11 @@ def test_clear_errors(client, server):
         client.completions.create(model="embedder", prompt="Hello", max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="pooling runner"):
         client.chat.completions.create(model="embedder", messages=[{"role": "user", "content": "Hi"}])
+    invoked = post(server, "/invocations", {"input": TEXTS[0], "encoding_format": "float"}).json()
+    np.testing.assert_allclose(invoked["data"][0]["embedding"], client.embeddings.create(
+        model="embedder", input=TEXTS[0], encoding_format="float").data[0].embedding, atol=1e-6)
+    assert post(server, "/invocations", {"text_1": TEXTS[0], "text_2": TEXTS[1]}).json()["data"][0]["object"] == "score"
+    assert "RerankRequest" in post(server, "/invocations", {"prompt": "Hello"}).json()["error"]["message"]
     assert [m.id for m in client.models.list().data] == ["embedder"]
     assert len(client.embeddings.create(model="embedder", input="still serving").data) == 1
 

@@ -251,6 +251,9 @@ def build_app(
 
     @app.post("/invocations")
     async def invocations(raw_request: Request) -> Response:
+        if engine.model_config.runner == "pooling":  # vLLM's: the request types the served model answers
+            return await invoke(raw_request, [(EmbeddingRequest, embedding.create_embedding),
+                                              (ScoreRequest, pooling.create_score), (RerankRequest, pooling.do_rerank)])
         return await invoke(raw_request, [(ChatCompletionRequest, chat.create_chat_completion),
                                           (CompletionRequest, completions.create_completion)])
 
