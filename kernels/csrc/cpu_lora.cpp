@@ -38,6 +38,26 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t n
   return s;
 }
 
+// fn(item) for item in [0, items), in contiguous runs of at least kMinWork multiply-adds each (about
+// 100 us): the products are small (a batch-32 decode step's are serial), and a pool wake-up or a
+// worker descheduled mid-chunk on a shared machine costs more than the work (measured: 2 threads
+// on a loaded 2-core machine ran batch-32 LoRA 3x slower than 1 with 64k-FMA chunks).
+constexpr int64_t kMinWork = 1 << 20;
+
+template <class F>
+void for_items(int64_t items, int64_t work_per_item, const F& fn) {
+  const int64_t max_chunks = std::max<int64_t>(1, 4 * at::get_num_threads());
+  const int64_t chunks = std::clamp<int64_t>(items * work_per_item / kMinWork, 1, std::min(items, max_chunks));
+  if (chunks == 1) {
+    for (int64_t i = 0; i < items; i++) fn(i);
+    return;
+  }
+  parallel_chunks(chunks, [&](int64_t c) {
+    const int64_t begin = items * c / chunks, end = items * (c + 1) / chunks;
+    for (int64_t i = begin; i < end; i++) fn(i);
+  });
+}
+
 void check(const at::Tensor& x, const at::Tensor& stack, const at::Tensor& indices, const char* name) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && stack.scalar_type() == at::kFloat, name, ": float32 only");
   TORCH_CHECK(stack.dim() == 3 && stack.is_contiguous(), name, ": the stack must be contiguous [L, rows, cols]");
@@ -56,7 +76,7 @@ at::Tensor lora_shrink(const at::Tensor& x, const at::Tensor& lora_a, const at::
   const int64_t* ip = indices.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const int64_t xs = xc.stride(0);
-  parallel_chunks(T, [&](int64_t i) {
+  for_items(T, R * K, [&](int64_t i) {
     const int64_t slot = ip[i];
     float* o = op + i * R;
     if (slot < 0 || slot >= L) {
@@ -82,7 +102,12 @@ at::Tensor lora_expand(const at::Tensor& y, const at::Tensor& t, const at::Tenso
               ", ", S * R, "] float32");
   TORCH_CHECK(scalings.scalar_type() == at::kFloat && scalings.numel() == L, "lora_expand: one scaling per slot");
   at::Tensor tc = t.contiguous();
-  at::Tensor out = y.clone(at::MemoryFormat::Contiguous);
+  at::Tensor yc = y.stride(1) == 1 ? y : y.contiguous();
+  // Written row block by row block below, not cloned: ATen's copy opens an OpenMP region, which on
+  // a loaded machine waits for descheduled threads (the reason for csrc/parallel.h).
+  at::Tensor out = at::empty({T, N}, y.options());
+  const float* yp = yc.data_ptr<float>();
+  const int64_t ys = yc.stride(0);
   const float* tp = tc.data_ptr<float>();
   const float* bp = lora_b.data_ptr<float>();
   const float* sp = scalings.data_ptr<float>();
@@ -91,8 +116,9 @@ at::Tensor lora_expand(const at::Tensor& y, const at::Tensor& t, const at::Tenso
   // Work items: (token, block of outputs), so a single decode token still spreads over threads.
   constexpr int64_t kBlock = 256;
   const int64_t blocks = (N + kBlock - 1) / kBlock;
-  parallel_chunks(T * blocks, [&](int64_t item) {
+  for_items(T * blocks, kBlock * R, [&](int64_t item) {
     const int64_t i = item / blocks, o0 = (item % blocks) * kBlock, o1 = std::min(N, o0 + kBlock);
+    std::copy(yp + i * ys + o0, yp + i * ys + o1, op + i * N + o0);
     const int64_t slot = ip[i];
     if (slot < 0 || slot >= L) return;
     const float scale = sp[slot];

@@ -105,3 +105,16 @@ def test_the_generic_ops_trace_as_opaque_calls():
     assert len(graphs) == 1
     targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
     assert "compiled_llm.lora_shrink" in targets and "compiled_llm.lora_expand" in targets
+
+
+def test_cpp_kernels_on_a_prefill_sized_batch():
+    """Enough work that the kernels share it over threads (the random cases above run serially)."""
+    if not cpu_kernels_available():
+        pytest.skip("C++ CPU kernels not built")
+    g = torch.Generator().manual_seed(0)
+    tokens, k, rank, slices = 300, 512, 16, [512, 128, 128]
+    case = (torch.randn(tokens, k, generator=g), torch.randn(4, 3 * rank, k, generator=g),
+            torch.randn(4, sum(slices), rank, generator=g), torch.rand(4, generator=g),
+            torch.randint(-1, 4, (tokens,), generator=g), torch.randn(tokens, sum(slices), generator=g), slices)
+    ops = torch.ops.compiled_llm_cpu
+    check(ops.lora_shrink, ops.lora_expand, case)
