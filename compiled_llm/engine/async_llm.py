@@ -11,6 +11,7 @@ engine at once so that its KV blocks are freed. If the engine dies, every open s
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncGenerator, Callable, Iterable
@@ -26,6 +27,7 @@ from compiled_llm.engine.output_processor import OutputProcessor
 from compiled_llm.engine.processor import Processor, PromptType
 from compiled_llm.engine.tokenizer import get_tokenizer
 from compiled_llm.logger import init_logger
+from compiled_llm.lora.request import LoRARequest
 from compiled_llm.messages.engine_core import EngineCoreOutput
 from compiled_llm.outputs import PoolingRequestOutput, RequestOutput
 from compiled_llm.pooling_params import PoolingParams
@@ -118,7 +120,8 @@ class AsyncLLM:
                   if single else None)
         try:
             self.tokenizer = get_tokenizer(config.model_config.tokenizer)
-            self.processor = Processor(self.model_config, self.tokenizer, config.scheduler_config.policy)
+            self.processor = Processor(self.model_config, self.tokenizer, config.scheduler_config.policy,
+                                       config.lora_config)
             self.output_processor = OutputProcessor(self.tokenizer)
             self.metrics = EngineMetrics(self.model_config.served_model_name, self.model_config.max_model_len,
                                          config.parallel_config.data_parallel_size)
@@ -191,10 +194,11 @@ class AsyncLLM:
 
     # ---- requests ----------------------------------------------------------------------------
     async def add_request(
-        self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams, priority: int = 0
+        self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams, priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
-        """Validate and send a request (PoolingParams: a pooling request, one output); raises
-        ValueError for a bad one before anything is queued."""
+        """Validate and send a request (PoolingParams: a pooling request, one output; `lora_request`:
+        the adapter it runs with); raises ValueError for a bad one before anything is queued."""
         arrival = time.time()
         await self.check_health()
         if request_id in self._streams:
@@ -205,7 +209,8 @@ class AsyncLLM:
         try:
             loop = asyncio.get_running_loop()
             request, text = await loop.run_in_executor(
-                self._tokenizer_pool, self.processor.process, request_id, prompt, params, arrival, priority, False
+                self._tokenizer_pool, functools.partial(self.processor.process, lora_request=lora_request),
+                request_id, prompt, params, arrival, priority, False,
             )
             if isinstance(params, SamplingParams) and params.structured_outputs is not None:
                 await self._check_grammar(params)
@@ -222,11 +227,12 @@ class AsyncLLM:
         return stream
 
     async def generate(
-        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, priority: int = 0
+        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Outputs of one request as they come (as `sampling_params.output_kind` asks); leaving the
         loop early, or being cancelled, aborts the request in the engine."""
-        stream = await self.add_request(request_id, prompt, sampling_params, priority)
+        stream = await self.add_request(request_id, prompt, sampling_params, priority, lora_request)
         try:
             async for output in stream:
                 yield output
