@@ -79,10 +79,12 @@ _GROUP_DESCRIPTIONS = {ADVANCED: "Developer knobs: the defaults are what serving
 
 
 def flag(help: str, *, group: str = "engine", short: str | None = None, choices: Any = None,
-         parse: Callable[[str], Any] | None = None, metavar: str | None = None) -> dict[str, Any]:
+         parse: Callable[[str], Any] | None = None, metavar: str | None = None,
+         nargs: str | None = None) -> dict[str, Any]:
     """A field's command-line flag: `--field-name` (and `short`), typed from its annotation unless
-    `parse` says how, in the help `group`."""
-    return {"help": help, "group": group, "short": short, "choices": choices, "parse": parse, "metavar": metavar}
+    `parse` says how (each value's, with `nargs`), in the help `group`."""
+    return {"help": help, "group": group, "short": short, "choices": choices, "parse": parse, "metavar": metavar,
+            "nargs": nargs}
 
 
 def setting(default: Any, *args: Any, **kwargs: Any) -> Any:
@@ -113,6 +115,8 @@ def _add_flag(group: Any, f: Field[Any], hint: Any) -> None:
     kwargs: dict[str, Any] = {"dest": f.name, "default": default, "help": meta["help"]}
     if meta["metavar"]:
         kwargs["metavar"] = meta["metavar"]
+    if meta.get("nargs"):
+        kwargs["nargs"] = meta["nargs"]
     kind = _scalar_type(hint)
     if kind is bool:
         kwargs["action"] = argparse.BooleanOptionalAction

@@ -32,12 +32,14 @@ from compiled_llm.engine.core_client import EngineStartupError
 from compiled_llm.engine.engine_process import EngineHandle
 from compiled_llm.engine.metrics import exposition
 from compiled_llm.entrypoints.openai.errors import (
+    OpenAIError,
     RequestTooLarge,
     engine_dead_message,
     error_response,
     install_error_handlers,
 )
 from compiled_llm.entrypoints.openai.invocations import invoke
+from compiled_llm.entrypoints.openai.lora_modules import runtime_lora_updating_allowed
 from compiled_llm.entrypoints.openai.pooling_protocol import (
     ClassificationRequest,
     EmbeddingRequest,
@@ -49,15 +51,17 @@ from compiled_llm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    ModelCard,
+    LoadLoRAAdapterRequest,
     ModelList,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from compiled_llm.entrypoints.openai.responses_protocol import ResponsesRequest
 from compiled_llm.entrypoints.openai.server_args import ServerArgs
 from compiled_llm.entrypoints.openai.serving_chat import OpenAIServingChat
 from compiled_llm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from compiled_llm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from compiled_llm.entrypoints.openai.serving_models import ServedModels
 from compiled_llm.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from compiled_llm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from compiled_llm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
@@ -194,6 +198,15 @@ def build_app(
     chat = OpenAIServingChat(engine, name, server_args)
     responses = OpenAIServingResponses(chat)
     tokenization = OpenAIServingTokenization(engine, name, server_args)
+    embedding = OpenAIServingEmbedding(engine, name, server_args)
+    pooling = OpenAIServingPooling(engine, name, server_args)
+    if runtime_lora_updating_allowed() and server_args.api_server_count > 1:
+        raise ValueError("Loading LoRA adapters at run time (VLLM_ALLOW_RUNTIME_LORA_UPDATING) needs "
+                         "--api-server-count 1: each API server process keeps its own adapter names.")
+    # One set of names (the base model and its LoRA adapters) for every API of this server.
+    served = ServedModels(engine, name, server_args.lora_modules or [])
+    for handler in (completions, chat, tokenization, embedding, pooling, embedding.chat, pooling.chat):
+        handler.models = served
 
     @app.get("/health")
     async def health() -> Response:
@@ -218,16 +231,29 @@ def build_app(
     async def metrics() -> Response:
         return Response(exposition(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    card = ModelCard(id=name, root=engine.model_config.model, max_model_len=engine.model_config.max_model_len)
-
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        return JSONResponse(ModelList(data=[card]).model_dump())
+        return JSONResponse(ModelList(data=served.cards()).model_dump())
 
     @app.get("/v1/models/{model:path}")
     async def retrieve_model(model: str) -> JSONResponse:
-        completions.check_model(model)  # another name is a 404 in OpenAI's shape
-        return JSONResponse(card.model_dump())
+        return JSONResponse(served.card(model).model_dump())  # another name is a 404 in OpenAI's shape
+
+    if runtime_lora_updating_allowed():
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> Response:
+            """vLLM's: the adapter is read and checked here (a 400 naming the problem), then named."""
+            try:
+                await asyncio.to_thread(served.add, request.lora_name, request.lora_path)
+            except ValueError as e:
+                raise OpenAIError(str(e), param="lora_path") from e
+            return Response(f"Success: LoRA adapter '{request.lora_name}' added successfully.", media_type="text/plain")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> Response:
+            served.remove(request.lora_name)
+            return Response(f"Success: LoRA adapter '{request.lora_name}' removed successfully.",
+                            media_type="text/plain")
 
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
@@ -271,8 +297,6 @@ def build_app(
         return JSONResponse((await tokenization.detokenize(request)).model_dump())
 
     # The pooling routes (vLLM's): a 400 naming --runner pooling on a server that generates.
-    embedding = OpenAIServingEmbedding(engine, name, server_args)
-    pooling = OpenAIServingPooling(engine, name, server_args)
 
     @app.post("/v1/embeddings")
     async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:

@@ -587,6 +587,10 @@ class ChatCompletionStreamChoice(OpenAIBaseModel):
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None  # return_token_ids
 
+    @model_serializer(mode="wrap")
+    def _leave_out_none(self, handler: Any) -> dict[str, Any]:
+        return _without_none(handler(self), ("token_ids",))
+
 
 class ChatCompletionChunk(OpenAIBaseModel):
     id: str
@@ -597,6 +601,20 @@ class ChatCompletionChunk(OpenAIBaseModel):
     usage: UsageInfo | None = None
     prompt_token_ids: list[int] | None = None  # return_token_ids, in the first chunk
     prompt_text: str | None = None  # return_prompt_text, in the first chunk
+
+    @model_serializer(mode="wrap")
+    def _leave_out_none(self, handler: Any) -> dict[str, Any]:
+        return _without_none(handler(self), ("prompt_token_ids", "prompt_text"))
+
+
+def _without_none(data: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+    """A streamed chat chunk leaves out vLLM's extension fields that it does not carry, as vLLM's
+    chunks do: clients collect `token_ids` from every chunk that has the key, and expect
+    `prompt_token_ids` in the first chunk only."""
+    for name in names:
+        if data.get(name) is None:
+            data.pop(name, None)
+    return data
 
 
 # ---- models, tokenizer ------------------------------------------------------------------------
@@ -613,6 +631,18 @@ class ModelCard(OpenAIBaseModel):
 class ModelList(OpenAIBaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class LoadLoRAAdapterRequest(RequestModel):
+    """vLLM's POST /v1/load_lora_adapter: a PEFT folder served as the model `lora_name`."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(RequestModel):
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: int | None = None  # vLLM's; the name decides here
 
 
 class TokenizeRequest(RequestModel):
@@ -632,30 +662,12 @@ class TokenizeRequest(RequestModel):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
-    @model_serializer(mode="wrap")
-    def _leave_out_none(self, handler: Any) -> dict[str, Any]:
-        return _without_none(handler(self), ("token_ids",))
-
 
 class TokenizeResponse(OpenAIBaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
     token_strs: list[str] | None = None
-
-    @model_serializer(mode="wrap")
-    def _leave_out_none(self, handler: Any) -> dict[str, Any]:
-        return _without_none(handler(self), ("prompt_token_ids", "prompt_text"))
-
-
-def _without_none(data: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
-    """A streamed chat chunk leaves out vLLM's extension fields that it does not carry, as vLLM's
-    chunks do: clients collect `token_ids` from every chunk that has the key, and expect
-    `prompt_token_ids` in the first chunk only."""
-    for name in names:
-        if data.get(name) is None:
-            data.pop(name, None)
-    return data
 
 
 class DetokenizeRequest(RequestModel):

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from compiled_llm.engine.arg_utils import CliArgs, positive_int, setting
 from compiled_llm.entrypoints.chat_utils import CONTENT_FORMATS, load_chat_template
+from compiled_llm.entrypoints.openai.lora_modules import LoRAModulePath, parse_lora_module
 from compiled_llm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from compiled_llm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
@@ -57,6 +58,10 @@ class ServerArgs(CliArgs):
         "streamed as their own deltas: qwen3 (an output that opens <think>...</think>) or deepseek_r1 (reasoning "
         "from the output's start until </think>, the template having opened the block).", group=SERVER,
         choices=REASONING_PARSERS)
+    lora_modules: list[LoRAModulePath] | None = setting(
+        None, "LoRA adapters a request may name as its `model`: name=path (a PEFT folder) or JSON "
+        '{"name": ..., "path": ..., "base_model_name": ...}, several after one flag (needs --enable-lora).',
+        group=SERVER, parse=parse_lora_module, nargs="+", metavar="NAME=PATH")
     stream_interval: int = setting(
         1, "Stream tokens in events of N (the first and last event excepted): one socket write and wake-up per N "
         "tokens instead of per token, for many streams at a high token rate, at the cost of coarser inter-token "

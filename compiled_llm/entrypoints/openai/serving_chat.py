@@ -191,7 +191,8 @@ class OpenAIServingChat(OpenAIServing):
         if request.use_beam_search:  # streamed too (as vLLM): the beams' texts come when the search ends
             stream = self.beam_search_streams(request_id, [engine_prompt], request, max_tokens, num_top, structured)[0]
         else:
-            stream = await self.add_request(request_id, engine_prompt, params, request.priority)
+            stream = await self.add_request(request_id, engine_prompt, params, request.priority,
+                                            self.lora_request(request.model))
         echo = message_text(request.messages[-1]) if request.echo and request.messages[-1].role == "assistant" else ""
         reply = _Reply(request, request_id, tools, ids, text, num_top or 0, echo, reasoning_parser, bool(reasoning))
         if request.stream:

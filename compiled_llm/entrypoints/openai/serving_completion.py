@@ -96,7 +96,8 @@ class OpenAIServingCompletion(OpenAIServing):
             streams = self.beam_search_streams(plan.request_id, engine_prompts, request, max_tokens, num_top,
                                                structured)
         else:
-            streams = await self.add_requests(plan.request_id, engine_prompts, params, request.priority)
+            streams = await self.add_requests(plan.request_id, engine_prompts, params, request.priority,
+                                              self.lora_request(request.model))
         ids = [s.request_id for s in streams]
         if request.stream:
             return event_stream(self._events(plan, streams), ids, self.engine)

@@ -56,6 +56,9 @@ class OpenAIServingPoolingBase(OpenAIServing):
         self.check_fields(request, model)
         if self.engine.model_config.runner != "pooling":
             raise OpenAIError(NOT_POOLING)
+        if self.lora_request(model) is not None:
+            raise OpenAIError(f"The model `{model}` is a LoRA adapter: pooling with adapters is not supported.",
+                              param="model")
 
     def pooling_params(self, task: str, dimensions: int | None = None, normalize: bool | None = None) -> PoolingParams:
         """The request's params, checked against the model (`dimensions` where it allows them): a 400 if not."""

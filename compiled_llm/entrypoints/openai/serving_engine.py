@@ -20,7 +20,9 @@ from compiled_llm.entrypoints.chat_utils import load_chat_template
 from compiled_llm.entrypoints.openai.errors import OpenAIError, engine_dead_message, error_body
 from compiled_llm.entrypoints.openai.protocol import PromptTokensDetails, RequestModel, SamplingRequest, UsageInfo
 from compiled_llm.entrypoints.openai.server_args import ServerArgs
+from compiled_llm.entrypoints.openai.serving_models import ServedModels
 from compiled_llm.logger import init_logger
+from compiled_llm.lora.request import LoRARequest
 from compiled_llm.outputs import RequestOutput
 from compiled_llm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from compiled_llm.utils import random_uuid
@@ -56,17 +58,19 @@ class OpenAIServing:
         self.chat_template = load_chat_template(self.server_args.chat_template)  # None: the model's own
         self.max_model_len = engine.model_config.max_model_len
         self.token_text = TokenTexts(engine.tokenizer)
+        # The names a request may give (the server shares one with its LoRA adapters among its APIs).
+        self.models = ServedModels(engine, served_model_name)
 
     def usage_info(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> UsageInfo:
         return usage_info(prompt_tokens, completion_tokens, cached_tokens,
                           details=self.server_args.enable_prompt_tokens_details)
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.served_model_name:
-            raise OpenAIError(
-                f"The model `{model}` does not exist; this server serves `{self.served_model_name}`.",
-                404, "model", "model_not_found",
-            )
+        """The base model or one of its LoRA adapters; another name is a 404."""
+        self.models.lora_request(model)
+
+    def lora_request(self, model: str | None) -> LoRARequest | None:
+        return self.models.lora_request(model)
 
     def check_fields(self, request: RequestModel, model: str | None) -> None:
         """The model is this server's, no field it does not implement is set, and the fields no
@@ -84,6 +88,8 @@ class OpenAIServing:
         problem = request.unsupported()
         if problem is not None:
             raise OpenAIError(problem)
+        if request.use_beam_search and self.lora_request(request.model) is not None:
+            raise OpenAIError("use_beam_search is not supported with a LoRA adapter.", param="use_beam_search")
         for name, value in (("n", request.n), ("best_of", request.best_of)):
             if value is not None and value > self.server_args.max_n:
                 raise OpenAIError(
@@ -182,21 +188,23 @@ class OpenAIServing:
         return request.request_id or random_uuid()
 
     async def add_request(
-        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
+        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         try:
-            return await self.engine.add_request(request_id, prompt, params, priority)
+            return await self.engine.add_request(request_id, prompt, params, priority, lora_request)
         except ValueError as e:
             raise OpenAIError(str(e)) from e
 
     async def add_requests(
-        self, request_id: str, prompts: list[PromptType], params: SamplingParams, priority: int = 0
+        self, request_id: str, prompts: list[PromptType], params: SamplingParams, priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestStream]:
         """All or nothing: if one prompt is refused, the ones already sent are aborted."""
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
-                streams.append(await self.add_request(f"{request_id}-{i}", prompt, params, priority))
+                streams.append(await self.add_request(f"{request_id}-{i}", prompt, params, priority, lora_request))
         except BaseException:
             await self.engine.abort([s.request_id for s in streams])
             raise
