@@ -39,9 +39,9 @@ def test_padded_steps_give_the_same_tokens_and_write_no_kv(tiny_llama, unpadded)
     seen = []
     prepare = runner.inputs.prepare
 
-    def spy(batch, rows, num_sched, num_decodes, padded_tokens, padded_reqs):
+    def spy(batch, rows, num_sched, num_decodes, padded_tokens, padded_reqs, **kwargs):
         seen.append((int(num_sched.sum()), len(rows), padded_tokens, padded_reqs))
-        return prepare(batch, rows, num_sched, num_decodes, padded_tokens, padded_reqs)
+        return prepare(batch, rows, num_sched, num_decodes, padded_tokens, padded_reqs, **kwargs)
 
     runner.inputs.prepare = spy
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
