@@ -65,6 +65,14 @@ def test_adapters_are_listed_and_served_as_hf_merges_them(server, adapters, tiny
     chat = client(server).chat.completions.create(model="all", messages=[{"role": "user", "content": "Hi"}],
                                                   max_tokens=4)
     assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 4
+    # The Responses API runs the adapter too: its text is chat's on the same message.
+    response = client(server).responses.create(model="all", input="Hi", max_output_tokens=4, temperature=0)
+    greedy_chat = client(server).chat.completions.create(model="all", messages=[{"role": "user", "content": "Hi"}],
+                                                         max_tokens=4, temperature=0)
+    assert response.output_text == greedy_chat.choices[0].message.content
+    base_chat = client(server).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                                       max_tokens=4, temperature=0)
+    assert base_chat.choices[0].message.content != greedy_chat.choices[0].message.content
 
 
 def test_adapters_load_and_unload_at_run_time(server, adapters):

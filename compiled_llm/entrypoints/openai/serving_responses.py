@@ -278,7 +278,8 @@ class OpenAIServingResponses:
             raise
         params = chat.sampling_params(creq, creq.max_tokens, None, None, structured)
         request_id = f"resp_{request.request_id or random_uuid()}"
-        stream = await chat.add_request(request_id, {"prompt": text, "prompt_token_ids": ids}, params, creq.priority)
+        stream = await chat.add_request(request_id, {"prompt": text, "prompt_token_ids": ids}, params, creq.priority,
+                                        chat.lora_request(request.model))
         turn = _Turn(request, request_id, tools, reasoning_parser, ids, conversation + items, int(time.time()))
         if request.stream:
             return event_stream(self._events(turn, stream), [request_id], self.engine)
