@@ -70,6 +70,7 @@ def test_adapters_are_listed_and_served_as_hf_merges_them(server, adapters, tiny
     greedy_chat = client(server).chat.completions.create(model="all", messages=[{"role": "user", "content": "Hi"}],
                                                          max_tokens=4, temperature=0)
     assert response.output_text == greedy_chat.choices[0].message.content
+    assert response.model == greedy_chat.model == "all"  # a response names the adapter it ran with, as vLLM
     base_chat = client(server).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
                                                        max_tokens=4, temperature=0)
     assert base_chat.choices[0].message.content != greedy_chat.choices[0].message.content

@@ -240,7 +240,7 @@ class OpenAIServingChat(OpenAIServing):
             ))
         completion_tokens = sum(len(c.token_ids) for c in out.outputs)
         return ChatCompletionResponse(
-            id=reply.request_id, model=self.served_model_name, choices=choices,
+            id=reply.request_id, model=self.model_name(request.model), choices=choices,
             usage=self.usage_info(len(reply.prompt_token_ids), completion_tokens, out.num_cached_tokens),
             prompt_logprobs=prompt_logprobs_out(out.prompt_logprobs) if request.prompt_logprobs is not None else None,
             prompt_token_ids=reply.prompt_token_ids if request.return_token_ids else None,
@@ -254,7 +254,7 @@ class OpenAIServingChat(OpenAIServing):
 
         def chunk(choices: list[dict[str, Any]], usage: UsageInfo | None = None, first: bool = False) -> str:
             return chat_chunk(
-                reply.request_id, created, self.served_model_name, choices, usage,
+                reply.request_id, created, self.model_name(request.model), choices, usage,
                 prompt_token_ids=reply.prompt_token_ids if first and request.return_token_ids else None,
                 prompt_text=reply.prompt_text if first and request.return_prompt_text else None,
             )

@@ -168,7 +168,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 choices.append(self._choice(plan, i, out, c, bool(plan.request.echo)))
         choices.sort(key=lambda c: c.index)
         return CompletionResponse(
-            id=plan.request_id, model=self.served_model_name, choices=choices,
+            id=plan.request_id, model=self.model_name(plan.request.model), choices=choices,
             usage=self.usage_info(plan.num_prompt_tokens, completion_tokens, cached),
         )
 
@@ -185,7 +185,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     prompt_token_ids=prompt.token_ids if request.return_token_ids else None,
                 ))
         num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
-        response = CompletionResponse(id=f"cmpl-{self.base_request_id(request)}", model=self.served_model_name,
+        response = CompletionResponse(id=f"cmpl-{self.base_request_id(request)}", model=self.model_name(request.model),
                                       choices=choices, usage=self.usage_info(num_prompt_tokens, 0))
         if not request.stream:
             return JSONResponse(response.model_dump())
@@ -222,7 +222,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 usage = None
                 if request.usage_in_every_chunk:
                     usage = self.usage_info(plan.num_prompt_tokens, completion_tokens, cached)
-                yield completion_chunk(plan.request_id, created, self.served_model_name, [choice], usage)
+                yield completion_chunk(plan.request_id, created, self.model_name(plan.request.model), [choice], usage)
         if request.usage_in_stream:
-            yield completion_chunk(plan.request_id, created, self.served_model_name, [],
+            yield completion_chunk(plan.request_id, created, self.model_name(plan.request.model), [],
                                    self.usage_info(plan.num_prompt_tokens, completion_tokens, cached))

@@ -72,6 +72,10 @@ class OpenAIServing:
     def lora_request(self, model: str | None) -> LoRARequest | None:
         return self.models.lora_request(model)
 
+    def model_name(self, model: str | None) -> str:
+        """The `model` a response names: the adapter a request ran with, else the base model (as vLLM)."""
+        return model if model is not None and model in self.models.adapters else self.served_model_name
+
     def check_fields(self, request: RequestModel, model: str | None) -> None:
         """The model is this server's, no field it does not implement is set, and the fields no
         API defines are logged (then ignored, as vLLM does)."""

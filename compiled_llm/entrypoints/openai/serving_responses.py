@@ -319,7 +319,7 @@ class OpenAIServingResponses:
                   usage: ResponseUsage | None = None) -> ResponsesResponse:
         r = turn.request
         return ResponsesResponse(
-            id=turn.response_id, created_at=turn.created_at, status=status, model=self.chat.served_model_name,
+            id=turn.response_id, created_at=turn.created_at, status=status, model=self.chat.model_name(r.model),
             incomplete_details=IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None,
             instructions=r.instructions, output=output, parallel_tool_calls=r.parallel_tool_calls,
             tool_choice=r.tool_choice, tools=r.tools, temperature=r.temperature, top_p=r.top_p,
