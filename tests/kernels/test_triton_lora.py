@@ -4,13 +4,6 @@ script, so the interpreter never leaks into other tests), compiled on a GPU."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import traceback
-from pathlib import Path
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -18,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
 from tests.kernels.test_cpu_lora import check, lora_case  # noqa: E402
+from tests.kernels.triton_interpreter import interpret, print_results  # noqa: E402
 
 
 def check_random_cases() -> None:
@@ -52,25 +46,9 @@ def check_half_precision() -> None:
 INTERPRETED = {"random-cases": check_random_cases, "half-precision": check_half_precision}
 
 
-def _run_interpreted_cases() -> dict[str, str | None]:
-    results: dict[str, str | None] = {}
-    for name, case in INTERPRETED.items():
-        try:
-            case()
-            results[name] = None
-        except Exception:
-            results[name] = traceback.format_exc()
-    return results
-
-
 @pytest.fixture(scope="module")
 def interpreted_results() -> dict[str, str | None]:
-    root = str(Path(__file__).resolve().parents[2])  # the script imports tests.kernels
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpret(__file__)
 
 
 @pytest.mark.parametrize("name", list(INTERPRETED))
@@ -104,4 +82,4 @@ def test_gpu_ops_match_the_torch_reference(dtype):
 
 
 if __name__ == "__main__":
-    print(json.dumps(_run_interpreted_cases()))
+    print_results(INTERPRETED)

@@ -12,11 +12,7 @@ with Triton's own compiler, which needs no GPU.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-import traceback
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -31,6 +27,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed (pip inst
 from compiled_llm.kernels import quantized_reference as ref  # noqa: E402
 from compiled_llm.kernels.gguf_blocks import BLOCK_BYTES, blocks_to_quantized  # noqa: E402
 from compiled_llm.kernels.gpu_quant_linear import gpu_layout, pack_nibbles  # noqa: E402
+from tests.kernels.triton_interpreter import interpret, print_results  # noqa: E402
 
 EPS = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}  # unit roundoffs
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -291,25 +288,9 @@ INTERPRETED = {"quantizer-formats": check_quantizer_formats, "gguf-formats": che
                "model-through-inductor": check_model_through_inductor}
 
 
-def _run_interpreted_cases() -> dict[str, str | None]:
-    results: dict[str, str | None] = {}
-    for name, check in INTERPRETED.items():
-        try:
-            check()
-            results[name] = None
-        except Exception:
-            results[name] = traceback.format_exc()
-    return results
-
-
 @pytest.fixture(scope="module")
 def interpreted_results() -> dict[str, str | None]:
-    root = str(Path(__file__).resolve().parents[2])  # the script imports tests.oracle
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpret(__file__)
 
 
 @pytest.mark.parametrize("name", list(INTERPRETED))
@@ -388,4 +369,4 @@ def test_gpu_weight_only_layers_call_the_triton_op(method):
 
 
 if __name__ == "__main__":
-    print(json.dumps(_run_interpreted_cases()))
+    print_results(INTERPRETED)
