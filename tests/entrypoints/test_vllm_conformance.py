@@ -49,7 +49,8 @@ def test_streamed_chat_token_ids_only_where_carried(client):
 
 
 def test_validation_errors_name_pydantics_type(client):
-    assert "less_than_equal" in bad_request(client.completions.create, prompt="x", max_tokens=1, seed=2**63)
+    message = bad_request(client.completions.create, prompt="x", max_tokens=1, seed=2**63)
+    assert "less_than_equal" in message and f"input_value={2**63}" in message
     assert "greater_than_equal" in bad_request(client.completions.create, prompt="x", max_tokens=1, seed=-2**63 - 1)
 
 
@@ -66,6 +67,8 @@ def test_empty_and_out_of_vocabulary_prompts(client):
     empty = "Either prompt or prompt_embeds must be provided and non-empty."
     assert empty in bad_request(client.completions.create, prompt="", max_tokens=1)
     assert empty in bad_request(client.completions.create, prompt=[], max_tokens=1)
+    assert empty in bad_request(client.completions.create, prompt=None, max_tokens=1,
+                                extra_body={"prompt_embeds": []})
     assert "out of vocabulary" in bad_request(client.completions.create, prompt=[10**7], max_tokens=1)
 
 

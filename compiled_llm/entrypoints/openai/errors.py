@@ -79,8 +79,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     parts = []
     for err in errors:
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-        # pydantic's error type too (less_than_equal, missing, ...), as vLLM's messages carry it.
-        parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')} [type={err.get('type')}]")
+        # pydantic's error type and the value refused (cut short), as vLLM's messages carry them.
+        value = repr(err.get("input"))
+        value = value if len(value) <= 80 else value[:77] + "..."
+        parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')} [type={err.get('type')}, input_value={value}]")
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     return "Invalid request: " + "; ".join(parts), (".".join(loc) or None)
 

@@ -343,7 +343,8 @@ class SamplingRequest(RequestModel):
 
 # ---- /v1/completions --------------------------------------------------------------------------
 class CompletionRequest(SamplingRequest):
-    prompt: Union[str, list[str], list[TokenId], list[list[TokenId]]]
+    # Required, but null is vLLM's "no prompt" (then a 400 in vLLM's words, not pydantic's union errors).
+    prompt: Union[str, list[str], list[TokenId], list[list[TokenId]], None]
     max_tokens: Int64 | None = 16
     logprobs: LogprobsCount | None = None
     echo: bool | None = False

@@ -105,6 +105,8 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def _prompts(self, request: CompletionRequest) -> list[Prompt]:
         raw = request.prompt
+        if raw is None:
+            raise OpenAIError(EMPTY_PROMPT, param="prompt")
         if isinstance(raw, str):
             items: list = [raw]
         elif raw and all(isinstance(t, int) for t in raw):
