@@ -294,6 +294,10 @@ def _never_5xx(server: RemoteServer, path: str, body: dict) -> None:
     for key in ("max_tokens", "max_completion_tokens"):  # keep each served request short
         if isinstance(body.get(key), int) and 5 < body[key] < 10**6:
             body[key] = 5
+    if "max_tokens" not in body and "max_completion_tokens" not in body:
+        # Without one, a request runs to the end of the context: with n up to 65 samples, or beam
+        # search (a step per token for every beam), longer than the client's timeout on a loaded machine.
+        body["max_tokens"] = 5
     r = post(server, path, body)
     assert r.status_code < 500, (body, r.status_code, r.text[:500])
     if r.status_code != 200:
