@@ -18,6 +18,11 @@ from typing import Any, NoReturn
 import torch
 
 
+def env_flag(*names: str) -> bool:
+    """A switch set in the environment under any of `names` (vLLM's name and ours): 1 or true."""
+    return any(os.environ.get(name, "").strip().lower() in ("1", "true") for name in names)
+
+
 def user_cache_dir() -> Path:
     """Root of everything this package caches on disk.
 

@@ -4,15 +4,16 @@ command line, before anything heavy is imported."""
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
+
+from compiled_llm.utils import env_flag
 
 # vLLM's switch for POST /v1/load_lora_adapter and /v1/unload_lora_adapter, and ours.
 RUNTIME_LORA_UPDATING_ENV = ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "COMPILED_LLM_ALLOW_RUNTIME_LORA_UPDATING")
 
 
 def runtime_lora_updating_allowed() -> bool:
-    return any(os.environ.get(name, "").strip().lower() in ("1", "true") for name in RUNTIME_LORA_UPDATING_ENV)
+    return env_flag(*RUNTIME_LORA_UPDATING_ENV)
 
 
 @dataclass(frozen=True)

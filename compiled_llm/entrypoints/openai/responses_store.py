@@ -14,13 +14,13 @@ another process that does not hold the response.
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 from compiled_llm.entrypoints.openai.responses_protocol import ResponsesResponse
 from compiled_llm.logger import init_logger
+from compiled_llm.utils import env_flag
 
 logger = init_logger(__name__)
 
@@ -29,7 +29,7 @@ MAX_BYTES = 64 << 20
 
 
 def store_enabled() -> bool:
-    return any(os.environ.get(name, "").strip().lower() in ("1", "true") for name in STORE_ENV_VARS)
+    return env_flag(*STORE_ENV_VARS)
 
 
 @dataclass

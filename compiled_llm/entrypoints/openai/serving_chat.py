@@ -250,11 +250,12 @@ class OpenAIServingChat(OpenAIServing):
     async def _events(self, reply: _Reply, stream: RequestStream) -> AsyncIterator[str]:
         request = reply.request
         created = int(time.time())
+        model = self.model_name(request.model)  # once a stream, not once a chunk
         completion_tokens = cached = 0
 
         def chunk(choices: list[dict[str, Any]], usage: UsageInfo | None = None, first: bool = False) -> str:
             return chat_chunk(
-                reply.request_id, created, self.model_name(request.model), choices, usage,
+                reply.request_id, created, model, choices, usage,
                 prompt_token_ids=reply.prompt_token_ids if first and request.return_token_ids else None,
                 prompt_text=reply.prompt_text if first and request.return_prompt_text else None,
             )

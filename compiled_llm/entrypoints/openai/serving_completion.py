@@ -204,6 +204,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _events(self, plan: CompletionPlan, streams: list[RequestStream]) -> AsyncIterator[str]:
         request = plan.request
         created = int(time.time())
+        model = self.model_name(request.model)  # once a stream, not once a chunk
         offsets: dict[int, int] = {}
         started: set[int] = set()
         completion_tokens = cached = 0
@@ -224,7 +225,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 usage = None
                 if request.usage_in_every_chunk:
                     usage = self.usage_info(plan.num_prompt_tokens, completion_tokens, cached)
-                yield completion_chunk(plan.request_id, created, self.model_name(plan.request.model), [choice], usage)
+                yield completion_chunk(plan.request_id, created, model, [choice], usage)
         if request.usage_in_stream:
-            yield completion_chunk(plan.request_id, created, self.model_name(plan.request.model), [],
+            yield completion_chunk(plan.request_id, created, model, [],
                                    self.usage_info(plan.num_prompt_tokens, completion_tokens, cached))
