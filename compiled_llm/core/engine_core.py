@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -29,10 +29,16 @@ from compiled_llm.messages.runner_output import AsyncModelRunnerOutput
 from compiled_llm.messages.scheduler_output import SchedulerOutput
 from compiled_llm.structured_output_spec import grammar_spec
 
+if TYPE_CHECKING:
+    from compiled_llm.lora.request import LoRARequest
+
 # How long an idle engine blocks on a grammar being compiled before it looks at its inputs again.
 _GRAMMAR_WAIT_SECONDS = 0.05
 # How often speculative decoding's acceptance rate is logged (when drafts were verified meanwhile).
 _SPEC_LOG_SECONDS = 10.0
+# Every how many LoRA requests the pins of adapters no unfinished request names any more are released
+# (also whenever an adapter is pinned anew).
+_LORA_UNPIN_EVERY = 256
 
 logger = init_logger(__name__)
 
@@ -57,6 +63,9 @@ class EngineCore:
                                    config.lora_config.max_loras if config.lora_config is not None else None)
         self._in_flight: deque[tuple[SchedulerOutput, AsyncModelRunnerOutput]] = deque()  # launched, not accounted
         self.structured_outputs: StructuredOutputManager | None = None  # made by the first constrained request
+        # LoRA: adapter id -> (its folder, the requests that named it since it was pinned on the ranks).
+        self._lora_pins: dict[int, tuple[str, set[str]]] = {}
+        self._lora_adds = 0
         self.startup_seconds = time.perf_counter() - started
         logger.info("Engine core ready in %.2f s.", self.startup_seconds)
         spec = config.speculative_config
@@ -105,6 +114,8 @@ class EngineCore:
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.check_request(request)
+        if request.lora_request is not None:
+            self._pin_lora(request.request_id, request.lora_request)
         core_request = Request(
             request.request_id,
             request.prompt_token_ids,
@@ -129,6 +140,34 @@ class EngineCore:
                 self.config.model_config, self.config.scheduler_config.max_num_seqs
             )
         self.structured_outputs.add_request(core_request)  # joins the scheduler once compiled
+
+    def _pin_lora(self, request_id: str, lora: LoRARequest) -> None:
+        """Keep the adapter in every rank's host memory while a request names it (lora/manager.py).
+        It is read and checked here when not pinned yet, so a folder that vanished or changed after
+        the frontend checked it refuses this request (ValueError) instead of failing a step."""
+        self._lora_adds += 1
+        pinned = self._lora_pins.get(lora.lora_int_id)
+        if pinned is None or self._lora_adds % _LORA_UNPIN_EVERY == 0:
+            self._unpin_finished_loras()
+            pinned = self._lora_pins.get(lora.lora_int_id)
+        if pinned is None:
+            errors = [e for e in self.executor.collective_rpc("pin_lora", lora.lora_int_id, lora.lora_path) if e]
+            if errors:
+                self.executor.collective_rpc("unpin_lora", lora.lora_int_id)  # ranks that read it in time
+                raise ValueError(errors[0])
+            pinned = self._lora_pins[lora.lora_int_id] = (lora.lora_path, set())
+        elif pinned[0] != lora.lora_path:
+            raise ValueError(f"LoRA adapter {lora.lora_name!r}: its id {lora.lora_int_id} names the adapter at "
+                             f"{pinned[0]} for running requests, not {lora.lora_path}.")
+        pinned[1].add(request_id)
+
+    def _unpin_finished_loras(self) -> None:
+        waiting = self.structured_outputs
+        for adapter_id, (_, users) in list(self._lora_pins.items()):
+            users -= {r for r in users if r not in self.scheduler.requests and not (waiting and r in waiting)}
+            if not users:
+                del self._lora_pins[adapter_id]
+                self.executor.collective_rpc("unpin_lora", adapter_id)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if self.structured_outputs is not None:

@@ -52,9 +52,13 @@ class LLMEngine:
         if external_id in self._engine_ids:
             raise ValueError(f"Request id {external_id!r} is already in use.")
         children = self.output_processor.add_user_request(request, prompt)
-        for child in children:
-            self.engine_core_client.add_request(child)
         self._engine_ids[external_id] = [child.request_id for child in children]
+        try:
+            for child in children:
+                self.engine_core_client.add_request(child)
+        except ValueError:  # the engine refused it (e.g. a LoRA adapter whose folder is gone): nothing stays queued
+            self.abort_request([external_id])
+            raise
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0) -> None:
         self.add_processed(*self.process(request_id, prompt, params, priority=priority))

@@ -222,8 +222,12 @@ class LLM:
             processed.append(engine.process(str(next(self._ids)), prompt, params, priority=priority,
                                             lora_request=lora))
         order = {request.request_id: i for i, (request, _) in enumerate(processed)}
-        for request, text in processed:
-            engine.add_processed(request, text)
+        try:
+            for request, text in processed:
+                engine.add_processed(request, text)
+        except ValueError:  # the engine refused one: the batch's earlier requests must not stay queued
+            engine.abort_request([request.request_id for request, _ in processed])
+            raise
         results: list[RequestOutput | PoolingRequestOutput | None] = [None] * len(processed)
         bar = tqdm(total=len(processed), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         generated = 0

@@ -89,7 +89,7 @@ class ModelRunner:
             lc = config.lora_config
             layers, scalings = install_lora(self.model, lc.max_loras, lc.max_lora_rank, self.inputs.lora_indices.gpu,
                                             mc.dtype, cpu_kernels)
-            self.lora = LoRAManager(layers, scalings, lc.max_loras, lc.max_lora_rank, lc.max_cpu_loras)
+            self.lora = LoRAManager(layers, scalings, lc.max_loras, lc.max_lora_rank, lc.max_cpu_loras, mc.hf_config)
             self.lora_rows = np.zeros(rows, dtype=np.int64)  # each row's adapter id (0: the base model)
         self.sampler = Sampler()
         self.speculative_config = spec = config.speculative_config
@@ -157,6 +157,16 @@ class ModelRunner:
         finally:
             for layer, cache in zip(self.attention_layers, kept):
                 layer.kv_cache = cache
+
+    def pin_lora(self, adapter_id: int, path: str) -> str | None:
+        """Read an accepted request's adapter into host memory, kept there until `unpin_lora`;
+        returns why it cannot be served (None: it can). See lora/manager.py."""
+        assert self.lora is not None
+        return self.lora.pin(adapter_id, path)
+
+    def unpin_lora(self, adapter_id: int) -> None:
+        assert self.lora is not None
+        self.lora.unpin(adapter_id)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         mc = self.config.model_config

@@ -32,7 +32,8 @@ logger = init_logger(__name__)
 
 # The runner methods the driver may call on every rank by name (`Executor.collective_rpc`): a
 # name crosses the pipe, never code, and only these names run.
-RUNNER_METHODS = frozenset({"determine_num_blocks", "initialize_kv_cache", "compile_or_warm_up", "compile"})
+RUNNER_METHODS = frozenset({"determine_num_blocks", "initialize_kv_cache", "compile_or_warm_up", "compile",
+                            "pin_lora", "unpin_lora"})
 
 
 def call_runner(runner: ModelRunner, method: str, args: Sequence[Any]) -> Any:

@@ -6,6 +6,7 @@ keeps serving; every KV block free at the end."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -108,11 +109,17 @@ def test_every_kv_block_is_free_at_the_end(llm):
     assert pool.num_free_blocks == pool.num_blocks - 1
 
 
-def test_more_adapters_than_slots_wait_their_turn(tiny_llama, adapters):
+@pytest.fixture(scope="module")
+def one_slot_llm(tiny_llama):
+    """One slot and one adapter in host memory: adapters take turns, and are read again once evicted."""
+    return LLM(tiny_llama, enable_lora=True, max_loras=1, max_lora_rank=8, max_cpu_loras=1, optimization_level=0,
+               kv_cache_memory_bytes=16 << 20, max_model_len=512)
+
+
+def test_more_adapters_than_slots_wait_their_turn(one_slot_llm, adapters):
     """max_loras=1: the three adapters and the base model in one call; each adapter's requests
     run while the others wait (base-model requests run beside any of them), outputs unchanged."""
-    llm = LLM(tiny_llama, enable_lora=True, max_loras=1, max_lora_rank=8, max_cpu_loras=1, optimization_level=0,
-              kv_cache_memory_bytes=16 << 20, max_model_len=512)
+    llm = one_slot_llm
     requests = [None, *(request for request, _ in adapters.values())]
     alone = {i: tokens(llm.generate(PROMPTS[:2], GREEDY, lora_request=r, use_tqdm=False))
              for i, r in enumerate(requests)}
@@ -122,6 +129,33 @@ def test_more_adapters_than_slots_wait_their_turn(tiny_llama, adapters):
     manager = llm.llm_engine.engine_core.executor.driver.lora
     assert manager.slots.loaded and len(manager.slots.loaded) == 1
     pool = llm.llm_engine.engine_core.scheduler.kv.pool
+    assert pool.num_free_blocks == pool.num_blocks - 1
+
+
+def test_a_folder_gone_after_its_check_fails_its_own_request_not_the_engine(one_slot_llm, adapters, tmp_path):
+    """The frontend reads an adapter's folder once; the engine reads it again when a request names
+    it and it is not in host memory (max_cpu_loras=1 evicted it). A folder gone by then refuses
+    that request, and nothing else: the engine keeps serving. A request accepted before its folder
+    went is served from host memory (the engine pins the adapters of its unfinished requests)."""
+    llm, engine = one_slot_llm, one_slot_llm.llm_engine
+    qv = adapters["qv"][0].lora_path
+    vanishing = LoRARequest("vanishing", 20, str(shutil.copytree(qv, tmp_path / "vanishing")))
+    expected = tokens(llm.generate(PROMPTS[:1], GREEDY, lora_request=vanishing, use_tqdm=False))
+    llm.generate(PROMPTS[:1], GREEDY, lora_request=adapters["all"][0], use_tqdm=False)  # evicts it
+    shutil.rmtree(vanishing.lora_path)
+    with pytest.raises(ValueError, match="not a folder"):
+        llm.generate(PROMPTS[:2], GREEDY, lora_request=[None, vanishing], use_tqdm=False)
+    assert not engine.has_unfinished_requests(), "a refused batch must queue nothing"
+    assert len(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == len(PROMPTS)
+
+    shutil.copytree(qv, vanishing.lora_path)
+    engine.add_processed(*engine.process("pinned", PROMPTS[0], GREEDY, lora_request=vanishing))
+    shutil.rmtree(vanishing.lora_path)  # before the request's first step
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [out for out in engine.step() if out.finished]
+    assert tokens(finished) == expected
+    pool = engine.engine_core.scheduler.kv.pool
     assert pool.num_free_blocks == pool.num_blocks - 1
 
 
