@@ -37,7 +37,9 @@ ALLOWED: dict[str, frozenset[str]] = {
     "engine": SHARED | {"core", "messages", "lora"},
     "core": SHARED | {"executor", "messages", "spec_decode"},  # the scheduler asks the proposers for drafts
     "executor": SHARED | {"worker", "distributed", "messages"},
-    "worker": SHARED | {"models", "quantization", "compilation", "kernels", "distributed", "messages", "lora"},
+    # (spec_decode: with asynchronous scheduling the runner fills the drafts from n-grams)
+    "worker": SHARED | {"models", "quantization", "compilation", "kernels", "distributed", "messages", "lora",
+                        "spec_decode"},
     "models": SHARED | {"quantization", "compilation", "kernels", "distributed"},
     "quantization": SHARED | {"kernels", "distributed"},  # the weight formats the models' linears ask for
     "spec_decode": FOUNDATION,  # proposers: pure functions of a request's tokens
@@ -45,7 +47,9 @@ ALLOWED: dict[str, frozenset[str]] = {
     "messages": FOUNDATION | {"sampling_params", "pooling_params", "lora.request"},
     "lora": SHARED | {"models"},  # adapters read from PEFT files into the models' LoRA layers
     "lora.request": FOUNDATION,
-    "config": FOUNDATION | {"compilation.config", "gguf_file"},  # a .gguf MODEL's config and tokenizer folder
+    # a .gguf MODEL's config and tokenizer folder; config.json read directly
+    "config": FOUNDATION | {"compilation.config", "gguf_file", "config_json"},
+    "config_json": frozenset(),  # config.json read without transformers
     "compilation.config": FOUNDATION | {"compilation"},  # its defaults come from the cache and the passes
     "sampling_params": FOUNDATION,
     "pooling_params": FOUNDATION,

@@ -72,6 +72,9 @@ class Request:
         # Asynchronous scheduling: tokens sampled by steps still in flight, whose ids the host
         # does not know yet (the next step computes them from the device's copy).
         self.num_output_placeholders = 0
+        # Of those, the draft slots of verification steps in flight: each may or may not become a
+        # token (the scheduler counts them as accepted until the output says how many were).
+        self.num_draft_placeholders = 0
         # Structured outputs: the matcher every accepted token advances (set once compiled).
         self.grammar: RequestGrammar | None = None
         # Speculative decoding (ngram): the index of its tokens, made when first asked for drafts.

@@ -22,6 +22,16 @@ still in flight writes its last KV entry before any later step can reuse them); 
 its output arrives. One that turns out to have stopped (EOS, a stop token) is finished then, and
 whatever a step already in flight computed for it is dropped.
 
+Speculative decoding with asynchronous scheduling: a verification step's request gets 1 + k
+placeholders, as if every draft were accepted, and the next step is planned on that optimistic
+count (its positions and blocks lie at or past the true ones). Its k draft slots are filled in by
+the runner, which knows the verified tokens when it runs the step (n-gram lookups there, or the
+draft model); the runner also moves the step back by the drafts the step before rejected. When the
+output arrives, the rejected drafts come off `num_computed_tokens` and the placeholders. A request
+that the tokens in flight may or may not end (the optimistic count reaches max_tokens or
+max_model_len, the certain one does not) sits out one step until they are known. Requests with
+structured outputs get no drafts then (the grammar cannot check drafts the runner proposes).
+
 A request with structured outputs joins the scheduler with its grammar compiled: its sampled
 tokens advance its matcher, and it stops when the grammar is complete (or refuses a token). Each
 step lists the constrained requests that sample in it, the rows of the grammar bitmask. A request
@@ -82,9 +92,6 @@ class Scheduler:
     ) -> None:
         """`num_blocks`: the KV cache's size, which the runners decide at start-up from their memory.
         `max_loras` (LoRA on): the most distinct adapters among running requests (the runner's slots)."""
-        if speculative_config is not None and scheduler_config.async_scheduling:
-            raise ValueError("Speculative decoding runs with synchronous scheduling: a step's drafts follow the "
-                             "tokens the step before accepted (EngineArgs turns async scheduling off).")
         self.speculative_config = speculative_config
         self.spec_stats = SpecDecodingStats() if speculative_config is not None else None  # since the last stats
         self.spec_totals = SpecDecodingStats()  # since start-up (the acceptance rate in the logs)
@@ -179,8 +186,8 @@ class Scheduler:
                 continue
             computable = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
             num_new = min(computable, plan.token_budget)
-            if num_new <= 0:
-                continue
+            if num_new <= 0 or (request.num_draft_placeholders and self._ends_with_placeholders(request, True)):
+                continue  # (the second: it may end with the drafts in flight; known after their step)
             drafts = self._propose(request, plan.token_budget) if speculates and computable == 1 else []
             # Drafts take free blocks only: rather than preempt anyone for them, the request decodes one token.
             new_blocks = self.kv.allocate_slots(request, num_new + len(drafts)) if drafts else None
@@ -207,11 +214,15 @@ class Scheduler:
         spec = self.speculative_config
         if spec is None or not request.may_speculate or not request.spec_backoff.may_propose():
             return []
-        room = min(spec.num_speculative_tokens, token_budget - 1, self.config.max_model_len - request.num_tokens - 1)
+        pending = request.num_output_placeholders  # (asynchronous) tokens in flight, counted as if all accepted
+        room = min(spec.num_speculative_tokens, token_budget - 1,
+                   self.config.max_model_len - request.num_tokens - pending - 1)
         if request.max_tokens is not None:
-            room = min(room, request.max_tokens - request.num_output_tokens - 1)
+            room = min(room, request.max_tokens - request.num_output_tokens - pending - 1)
         if room <= 0:
             return []
+        if self.async_scheduling:  # placeholders: the runner fills them in from the tokens it has verified
+            return [] if request.grammar is not None else [0] * room
         if spec.method == "draft_model":  # placeholders: the runner's draft model fills them in
             # (under a grammar they would have to be checked against it before the verification)
             return [] if request.grammar is not None else [0] * room
@@ -302,8 +313,9 @@ class Scheduler:
             samples = request.num_computed_tokens - num_drafts == request.num_tokens + request.num_output_placeholders
             if samples and request.grammar is not None:
                 constrained.append(rid)
-            if self.async_scheduling and samples:
-                request.num_output_placeholders += 1  # its token is known a step later
+            if self.async_scheduling and samples:  # its tokens are known a step later
+                request.num_output_placeholders += 1 + num_drafts
+                request.num_draft_placeholders += num_drafts
         self._prompt_tokens += sum(plan.prompt_tokens.values())
         output = SchedulerOutput(
             plan.new_reqs,
@@ -319,10 +331,11 @@ class Scheduler:
         self.preempted_req_ids = set()
         return output
 
-    def _ends_with_placeholders(self, request: Request) -> bool:
+    def _ends_with_placeholders(self, request: Request, if_all_accepted: bool = False) -> bool:
         """The tokens in flight take the request to max_tokens or max_model_len: it finishes when
-        they arrive, and another step for it would compute a token nobody gets."""
-        pending = request.num_output_placeholders
+        they arrive, and another step for it would compute a token nobody gets. `if_all_accepted`:
+        count the draft slots in flight as tokens too (they may end it)."""
+        pending = request.num_output_placeholders - (0 if if_all_accepted else request.num_draft_placeholders)
         if not pending:
             return False
         return (request.max_tokens is not None and request.num_output_tokens + pending >= request.max_tokens) or (
@@ -371,13 +384,15 @@ class Scheduler:
             request = self.requests.get(rid)
             if request is None or request.status.finished or not sampled:
                 continue  # aborted or finished while the step ran, or a prompt chunk (nothing to report)
-            if request.num_output_placeholders:
-                request.num_output_placeholders -= 1  # (asynchronous) the token it stood for
+            num_slots = len(scheduler_output.scheduled_spec_decode_tokens.get(rid, ()))
+            if request.num_output_placeholders:  # (asynchronous) the tokens it stood for
+                request.num_output_placeholders -= 1 + num_slots
+                request.num_draft_placeholders -= num_slots
             elif request.status != RequestStatus.RUNNING:
                 continue
-            drafts = scheduler_output.scheduled_spec_decode_tokens.get(rid)
-            if drafts:
-                self._roll_back_rejected(request, len(drafts), len(sampled) - 1)
+            if num_slots:
+                proposed = runner_output.num_proposed_drafts.get(rid, num_slots)
+                self._roll_back_rejected(request, num_slots, proposed, len(sampled) - 1)
             outputs.append(self._accept_sampled(request, sampled, runner_output))
             if request.status.finished:
                 stopped.append(request)
@@ -413,12 +428,17 @@ class Scheduler:
         self.spec_gain.record(len(scheduler_output.num_scheduled_tokens), self._step_speculates,
                               sum(len(o.new_token_ids) for o in outputs), seconds)
 
-    def _roll_back_rejected(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+    def _roll_back_rejected(self, request: Request, num_slots: int, num_drafts: int, num_accepted: int) -> None:
         """The step computed KV for all `num_drafts` drafts; only the accepted ones' entries hold.
         The rejected ones' slots are written again when their positions are computed with real
         tokens; the blocks stay with the request for its next drafts (freed with it). None of them
-        is ever cached: a block is hashed only once full of known tokens (`Request.block_hashes`)."""
-        request.num_computed_tokens -= num_drafts - num_accepted
+        is ever cached: a block is hashed only once full of known tokens (`Request.block_hashes`).
+        `num_slots`: the draft slots the step was given; (asynchronous) the runner may have found
+        fewer `num_drafts` to fill them with. A request preempted meanwhile has nothing to roll back."""
+        if request.status == RequestStatus.RUNNING:
+            request.num_computed_tokens -= num_slots - num_accepted
+        if not num_drafts:
+            return
         request.spec_backoff.record(num_drafts, num_accepted)
         assert self.spec_stats is not None and self.speculative_config is not None
         for stats in (self.spec_stats, self.spec_totals):

@@ -279,9 +279,6 @@ class EngineArgs(CliArgs):
         max_num_seqs = self.max_num_seqs or default_seqs
         max_num_batched_tokens = self.max_num_batched_tokens or max(default_tokens, max_num_seqs)
         async_scheduling = device.type == "cuda" if self.async_scheduling is None else self.async_scheduling
-        if speculative_config is not None and async_scheduling:  # drafts follow the tokens the last step accepted
-            logger.info("Speculative decoding runs with synchronous scheduling: asynchronous scheduling is off.")
-            async_scheduling = False
         if pooling and async_scheduling:  # a pooling request ends with its prompt: no next token to overlap
             async_scheduling = False
         scheduler_config = SchedulerConfig(

@@ -40,6 +40,9 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     # Pooling runner: the requests whose prompt was completed in this step, and their pooled vector.
     pooler_output: dict[str, PooledTensor] = field(default_factory=dict)
+    # Speculative decoding with asynchronous scheduling: requests whose draft slots the runner's
+    # n-gram lookup filled only in part, and how many drafts it found (the others verified no token).
+    num_proposed_drafts: dict[str, int] = field(default_factory=dict)
 
 
 class AsyncModelRunnerOutput(ABC):

@@ -6,8 +6,10 @@ the flat batch into persistent buffers (`StepInputs`), run the model inside a fo
 compute logits only for the requests that sample, and sample with the rows' settings
 (`SamplingState`). After the forward and outside it: prompt logprobs from the same hidden states
 (`prompt_logprobs`), and for a step with structured outputs the grammar bitmask on the logits
-(`grammar_bitmask`). Its other jobs live beside it: KV sizing (`kv_cache_sizing`), compilation and
-CUDA-graph capture (`compile_and_capture`).
+(`grammar_bitmask`). With speculative decoding: the drafts' verification (`_verify`), and under
+asynchronous scheduling the drafts themselves (`_fill_draft_slots`): the scheduler planned the step
+before it knew the last one's accepted tokens. Its other jobs live beside it: KV sizing
+(`kv_cache_sizing`), compilation and CUDA-graph capture (`compile_and_capture`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from compiled_llm.worker.compile_and_capture import capture_cudagraphs, compile_
 from compiled_llm.worker.draft_proposer import DraftModelProposer
 from compiled_llm.worker.grammar_bitmask import apply_grammar_bitmask
 from compiled_llm.worker.input_batch import InputBatch
+from compiled_llm.worker.ngram_proposer import NgramProposer
 from compiled_llm.worker.pooler import Pooler, PoolSegment
 from compiled_llm.worker.prompt_logprobs import PromptLogprobsComputer, PromptLogprobsTensors, PromptSegment
 from compiled_llm.worker.rejection_sampler import RejectionOutput, RejectionSampler
@@ -68,7 +71,10 @@ class ModelRunner:
         started = time.perf_counter()
         # Builds the C++ CPU kernels once per machine, now rather than mid-step.
         cpu_kernels = uses_cpu_kernels(self.device, mc.dtype)
-        self.model = build_model(mc, self.device, cpu_kernels=cpu_kernels)
+        cc = config.compilation_config  # compiled runs keep the packed weights in their compile cache entry
+        packed_cache = engine_compile_cache(config, tensor_parallel().rank) if cc.level else None
+        self.model = build_model(mc, self.device, cpu_kernels=cpu_kernels, packed_cache=packed_cache,
+                                 require_cache_hit=cc.require_cache_hit)
         self.load_seconds = time.perf_counter() - started
         self.tensor_parallel = tensor_parallel()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -97,6 +103,15 @@ class ModelRunner:
         self.drafter: DraftModelProposer | None = None
         if spec is not None and spec.method == "draft_model":
             self.drafter = DraftModelProposer(config, rows, max_blocks_per_req)
+        self.async_scheduling = sc.async_scheduling
+        self.ngram: NgramProposer | None = None  # asynchronous scheduling: n-gram drafts come from here
+        if spec is not None and spec.method == "ngram" and sc.async_scheduling:
+            assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
+            self.ngram = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        # (asynchronous speculation) Drafts each request's verification in step `_rejected_step`
+        # rejected: the scheduler planned the next step as if they were accepted.
+        self._rejected: dict[str, int] = {}
+        self._rejected_step = -1
         self.prompt_logprobs = PromptLogprobsComputer(lambda hidden: self.model.compute_logits(hidden))
         # The pooling runner: pooled final hidden states instead of logits, for every request.
         self.pooler = Pooler(mc.pooler_config) if mc.runner == "pooling" and mc.pooler_config else None
@@ -188,6 +203,8 @@ class ModelRunner:
         for rid in out.finished_req_ids:
             batch.remove(rid)
             self.prompt_logprobs.forget(rid)
+            if self.ngram is not None:
+                self.ngram.forget(rid)
         for rid in out.preempted_req_ids:
             batch.remove(rid, keep_sampling_state=True)
             self.prompt_logprobs.forget(rid)
@@ -196,11 +213,15 @@ class ModelRunner:
                 self.pooler.forget(rid)
             for new_req in out.scheduled_new_reqs:
                 self.pooler.add(new_req.req_id, new_req.pooling_params)
+        rejected = self._rejected if self._rejected_step == self._step else {}  # by the step just before
+        self._rejected = {}
         for cached in out.scheduled_cached_reqs:
             row = batch.row_of[cached.req_id]
             if cached.new_block_ids:
                 batch.append_blocks(row, cached.new_block_ids)
-            batch.num_computed_tokens[row] = cached.num_computed_tokens
+            batch.num_computed_tokens[row] = cached.num_computed_tokens - rejected.get(cached.req_id, 0)
+            assert cached.req_id not in rejected or batch.num_computed_tokens[row] == batch.num_tokens[row] - 1, (
+                f"request {cached.req_id}: the scheduler's count and the runner's part")
         for new in out.scheduled_new_reqs:
             row = batch.add(new)
             if self.lora is not None:
@@ -233,10 +254,13 @@ class ModelRunner:
         if out.empty:
             return StepOutput(self.batch, self.device, self._step, [])
         batch = self.batch
+        num_scheduled, proposed = out.num_scheduled_tokens, {}
+        if self.async_scheduling and out.scheduled_spec_decode_tokens:
+            num_scheduled, proposed = self._fill_draft_slots(out)
         # Decodes (one query token) first: attention handles them in one batched call.
-        req_ids = sorted(out.num_scheduled_tokens, key=lambda r: out.num_scheduled_tokens[r] != 1)
+        req_ids = sorted(num_scheduled, key=lambda r: num_scheduled[r] != 1)
         rows = np.fromiter((batch.row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
-        num_sched = np.fromiter((out.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        num_sched = np.fromiter((num_scheduled[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
         total = int(num_sched.sum())
         num_decodes = int(np.count_nonzero(num_sched == 1))  # sorted first
         mode, descriptor = CUDAGraphMode.NONE, None
@@ -265,7 +289,7 @@ class ModelRunner:
             return StepOutput(self.batch, self.device, self._step, req_ids, prompt_logprobs=prompt_logprobs)
         if out.scheduled_spec_decode_tokens:
             return self._verify(out, req_ids, rows, sample_idx, hidden, metadata.query_start_loc_cpu,
-                                grammar_bitmask, prompt_logprobs)
+                                grammar_bitmask, prompt_logprobs, proposed)
         logits_indices = torch.from_numpy(metadata.query_start_loc_cpu[1:][sample_idx] - 1).to(self.device)
         logits = self.model.compute_logits(hidden[logits_indices])
         if grammar_bitmask is not None:
@@ -305,10 +329,12 @@ class ModelRunner:
         query_start_loc: np.ndarray,
         grammar_bitmask: Callable[[], torch.Tensor] | None,
         prompt_logprobs: dict[str, PromptLogprobsTensors],
+        proposed: dict[str, int],
     ) -> ReadyStepOutput:
         """Sample a step with draft tokens: logits at each sampling request's last 1 + n positions
         (n its drafts, often 0), the rejection sampler's verdict, and 1..n+1 tokens each, read on
-        the host at once (the next step's drafts follow them)."""
+        the host at once (the next step's drafts follow them). `proposed`: requests whose draft
+        slots `_fill_draft_slots` filled in part, and with how many drafts."""
         batch = self.batch
         sample_rows = rows[sample_idx]
         num_drafts = batch.num_drafts[sample_rows].copy()
@@ -349,9 +375,15 @@ class ModelRunner:
         sampled_lists: list[list[int]] = [[] for _ in req_ids]
         for j, (i, n) in enumerate(zip(sample_idx.tolist(), num_out.tolist())):
             sampled_lists[i] = tokens[j, :n].tolist()
+        if self.async_scheduling:  # the next step, planned already, counted every draft slot as accepted
+            slots = out.scheduled_spec_decode_tokens
+            self._rejected = {rid: len(slots[rid]) - (len(sampled_lists[i]) - 1)
+                              for i, rid in enumerate(req_ids) if rid in slots and sampled_lists[i]}
+            self._rejected_step = self._step
         logprobs = self._verified_logprobs(result, sampling_ids, sample_rows, starts, num_out)
         return ReadyStepOutput(ModelRunnerOutput(
-            req_ids, sampled_lists, logprobs, {rid: t.to_lists() for rid, t in prompt_logprobs.items()}))
+            req_ids, sampled_lists, logprobs, {rid: t.to_lists() for rid, t in prompt_logprobs.items()},
+            num_proposed_drafts=proposed))
 
     def _verified_logprobs(
         self, result: RejectionOutput, sampling_ids: list[str], sample_rows: np.ndarray, starts: np.ndarray,
@@ -400,6 +432,34 @@ class ModelRunner:
         assert not missing, f"constrained requests {missing} do not sample in this step"
         apply_grammar_bitmask(logits, bitmask, [where[rid] for rid in constrained])
         self.num_grammar_bitmasks += 1
+
+    def _fill_draft_slots(self, out: SchedulerOutput) -> tuple[dict[str, int], dict[str, int]]:
+        """(Speculation with asynchronous scheduling) The scheduler gave draft slots without knowing
+        the tokens the last step sampled; the rows hold them now: a token the device sampled in the
+        last step comes to the host here, and n-gram lookups fill the slots (the draft model fills
+        them later, in `execute_model_async`). Where a lookup finds fewer drafts than slots, the
+        request computes fewer tokens: returns each request's token count in this step, and the
+        requests with unfilled slots and their number of drafts."""
+        batch = self.batch
+        req_ids = list(out.num_scheduled_tokens)
+        rows = np.fromiter((batch.row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        pending = rows[batch.pending_step[rows] >= 0]
+        if len(pending):
+            assert (batch.pending_step[pending] == self._step - 1).all(), "a pending token from an older step"
+            sampled = self._last_sampled[torch.from_numpy(batch.pending_index[pending]).to(self.device)]
+            batch.token_ids[pending, batch.num_tokens[pending] - 1] = sampled.cpu().numpy()
+            batch.pending_step[pending] = -1
+        if self.ngram is None:
+            return out.num_scheduled_tokens, {}
+        slots = batch.num_drafts[rows].copy()
+        found = self.ngram.propose(batch, req_ids, rows)
+        short = np.flatnonzero(found < slots)
+        if not len(short):
+            return out.num_scheduled_tokens, {}
+        num_scheduled = dict(out.num_scheduled_tokens)
+        for i in short.tolist():
+            num_scheduled[req_ids[i]] -= int(slots[i] - found[i])
+        return num_scheduled, {req_ids[i]: int(found[i]) for i in short.tolist()}
 
     def _feed_pending_tokens(self, rows: np.ndarray, query_start_loc: np.ndarray) -> None:
         """Requests whose last token the previous step sampled and the host has not seen yet

@@ -23,3 +23,19 @@ def small_vocab_llama(tmp_path_factory, real_model_path) -> str:
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(_tiny_config("llama", 16), dtype=torch.float32).save_pretrained(out)
     return str(out)
+
+
+@pytest.fixture(scope="session")
+def other_small_vocab_llama(tmp_path_factory, small_vocab_llama) -> str:
+    """Another random model with the same 16-token vocabulary: its guesses are mostly wrong."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import _tiny_config
+
+    out = tmp_path_factory.mktemp("tiny-llama-v16-other")
+    for path in Path(small_vocab_llama).iterdir():
+        if path.name.startswith("tokenizer") or path.name == "generation_config.json":
+            shutil.copy(path, out / path.name)
+    torch.manual_seed(1234)
+    AutoModelForCausalLM.from_config(_tiny_config("llama", 16), dtype=torch.float32).save_pretrained(out)
+    return str(out)

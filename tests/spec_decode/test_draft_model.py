@@ -6,11 +6,7 @@ with a message naming why."""
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
 import pytest
-import torch
 
 from compiled_llm import LLM, SamplingParams
 from tests.spec_decode.test_ngram_e2e import REPEATING, abort_mid_flight, assert_blocks_free, make_llm, steps, tokens
@@ -20,22 +16,6 @@ OTHERS = [[3, 9, 1, 14, 2], [7] * 9, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
 
 def draft_spec(model: str, k: int = 3) -> dict:
     return {"method": "draft_model", "model": model, "num_speculative_tokens": k, "measure_gain": False}
-
-
-@pytest.fixture(scope="module")
-def other_small_vocab_llama(tmp_path_factory, small_vocab_llama) -> str:
-    """Another random model with the same 16-token vocabulary: its guesses are mostly wrong."""
-    from transformers import AutoModelForCausalLM
-
-    from tests.conftest import _tiny_config
-
-    out = tmp_path_factory.mktemp("tiny-llama-v16-other")
-    for path in Path(small_vocab_llama).iterdir():
-        if path.name.startswith("tokenizer") or path.name == "generation_config.json":
-            shutil.copy(path, out / path.name)
-    torch.manual_seed(1234)
-    AutoModelForCausalLM.from_config(_tiny_config("llama", 16), dtype=torch.float32).save_pretrained(out)
-    return str(out)
 
 
 @pytest.fixture(scope="module")

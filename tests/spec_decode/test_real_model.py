@@ -1,6 +1,7 @@
 """N-gram speculation on the bundled SmolLM2 through the offline `LLM` API: a rewrite of given text
 (proposals mostly right) and an open question (mostly none) give greedy's tokens, a stop string
-that lands inside an accepted run ends the text where greedy's does; and a request with structured
+that lands inside an accepted run ends the text where greedy's does (with synchronous and with
+asynchronous scheduling); and a request with structured
 outputs (never given drafts) shares verification steps with the others unchanged."""
 
 from __future__ import annotations
@@ -19,23 +20,26 @@ TEXT = ("The old lighthouse stood on the northern cliff, its white paint peeling
 @pytest.mark.slow
 def test_bundled_model_greedy_with_ngram_equals_without(real_model_path):
     kwargs = dict(optimization_level=0, max_model_len=512, kv_cache_memory_bytes=64 << 20)
-    base, spec = LLM(real_model_path, **kwargs), LLM(real_model_path, speculative_config=SPEC, **kwargs)
+    base = LLM(real_model_path, **kwargs)
     chats = [[{"role": "user", "content": f"Copy this text exactly, word for word:\n\n{TEXT}"}],
              [{"role": "user", "content": "Name a color."}]]
     params = SamplingParams(max_tokens=32, temperature=0.0)
     want = [o.outputs[0] for o in base.chat(chats, params, use_tqdm=False)]
-    got = [o.outputs[0] for o in spec.chat(chats, params, use_tqdm=False)]
-    assert [g.token_ids for g in got] == [w.token_ids for w in want]
-    totals = spec.llm_engine.engine_core.scheduler.spec_totals
-    assert totals.num_accepted_tokens >= 10  # the copy was mostly proposed right
     # A stop string inside the copied text: it ends inside an accepted run.
     stop = SamplingParams(max_tokens=32, temperature=0.0, stop=["spiral"])
     want_stop = base.chat(chats[:1], stop, use_tqdm=False)[0].outputs[0]
-    got_stop = spec.chat(chats[:1], stop, use_tqdm=False)[0].outputs[0]
-    assert got_stop.text == want_stop.text and got_stop.token_ids == want_stop.token_ids
-    assert got_stop.finish_reason == "stop"
-    pool = spec.llm_engine.engine_core.scheduler.kv.pool
-    assert pool.num_free_blocks == pool.num_blocks - 1
+    for async_scheduling in (False, True):  # async: the runner proposes, a step ahead of the scheduler
+        spec = LLM(real_model_path, speculative_config=SPEC, async_scheduling=async_scheduling, **kwargs)
+        got = [o.outputs[0] for o in spec.chat(chats, params, use_tqdm=False)]
+        assert [g.token_ids for g in got] == [w.token_ids for w in want]
+        totals = spec.llm_engine.engine_core.scheduler.spec_totals
+        assert totals.num_accepted_tokens >= 10  # the copy was mostly proposed right
+        got_stop = spec.chat(chats[:1], stop, use_tqdm=False)[0].outputs[0]
+        assert got_stop.text == want_stop.text and got_stop.token_ids == want_stop.token_ids
+        assert got_stop.finish_reason == "stop"
+        pool = spec.llm_engine.engine_core.scheduler.kv.pool
+        assert pool.num_free_blocks == pool.num_blocks - 1
+        del spec
 
 
 def test_structured_outputs_share_verification_steps(tiny_llama):

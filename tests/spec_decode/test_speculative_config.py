@@ -40,13 +40,13 @@ def test_bad_values_name_the_field(spec, field):
         SpeculativeConfig.from_dict(spec)
 
 
-def test_the_flag_reaches_the_engine_config_and_turns_async_scheduling_off(real_model_path):
+def test_the_flag_reaches_the_engine_config_and_keeps_async_scheduling(real_model_path):
     args = build_parser().parse_args(
         ["serve", real_model_path, "--max-model-len", "256", "--async-scheduling", "--speculative-config",
          '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 3}'])
     config = EngineArgs.from_cli_args(args).create_engine_config()
     assert config.speculative_config == SpeculativeConfig("ngram", 4, 2, 3)
-    assert not config.scheduler_config.async_scheduling
+    assert config.scheduler_config.async_scheduling
     plain = EngineArgs(model=real_model_path, max_model_len=256).create_engine_config()
     assert plain.speculative_config is None
 
