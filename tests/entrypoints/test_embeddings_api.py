@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import json
 import shutil
+import sys
 
 import httpx
 import numpy as np
@@ -121,6 +122,63 @@ def test_dimensions_truncation_and_chat_input(client, server):
     assert chat["usage"]["prompt_tokens"] == len(rendered)
     np.testing.assert_allclose(chat["data"][0]["embedding"], client.embeddings.create(
         model="embedder", input=rendered, encoding_format="float").data[0].embedding, atol=1e-5)
+
+
+def decode(binary: bytes, embed_dtype: str, endianness: str) -> np.ndarray:
+    """A binary vector as a client reads it: swap to this machine's byte order, then view the dtype."""
+    dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+             "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[embed_dtype]
+    size = torch.empty((), dtype=dtype).element_size()
+    raw = np.frombuffer(binary, dtype={1: np.uint8, 2: np.uint16, 4: np.uint32}[size]).copy()
+    if endianness not in ("native", sys.byteorder):
+        raw = raw.byteswap()
+    signed = raw.view({1: np.int8, 2: np.int16, 4: np.int32}[size])
+    return torch.from_numpy(signed).view(dtype).float().numpy()
+
+
+def test_vllm_binary_encodings_activation_and_pooling_tasks(server):
+    body = {"input": TEXTS[:2]}
+    floats = np.array([d["embedding"] for d in post(server, "/v1/embeddings", {**body, "encoding_format": "float"})
+                       .json()["data"]])
+    tolerance = {"float32": 1e-6, "float16": 1e-3, "bfloat16": 1e-2, "fp8_e4m3": 0.07, "fp8_e5m2": 0.13}
+    for embed_dtype, atol in tolerance.items():
+        for endianness in ("native", "big", "little"):
+            extras = {**body, "embed_dtype": embed_dtype, "endianness": endianness}
+            b64 = post(server, "/v1/embeddings", {**extras, "encoding_format": "base64"}).json()["data"]
+            np.testing.assert_allclose([decode(base64.b64decode(d["embedding"]), embed_dtype, endianness) for d in b64],
+                                       floats, atol=atol, rtol=atol)
+            raw = post(server, "/v1/embeddings", {**extras, "encoding_format": "bytes"})
+            assert raw.headers["content-type"] == "application/octet-stream"
+            meta = json.loads(raw.headers["metadata"])
+            assert meta["model"] == "embedder" and meta["usage"]["prompt_tokens"] > 0
+            assert [(m["index"], m["shape"], m["embed_dtype"]) for m in meta["data"]] == [
+                (0, [64], embed_dtype), (1, [64], embed_dtype)]
+            np.testing.assert_allclose([decode(raw.content[m["start"]:m["end"]], embed_dtype, endianness)
+                                        for m in meta["data"]], floats, atol=atol, rtol=atol)
+    only = post(server, "/v1/embeddings", {**body, "encoding_format": "bytes_only"})
+    assert "metadata" not in only.headers and len(only.content) == 2 * 64 * 4
+    np.testing.assert_allclose(decode(only.content, "float32", "native").reshape(2, 64), floats, atol=1e-6)
+    # use_activation (vLLM's name for normalize): off is the pooled hidden state /pooling gives.
+    raw_vector = np.array(post(server, "/v1/embeddings", {"input": TEXTS[0], "encoding_format": "float",
+                                                          "use_activation": False}).json()["data"][0]["embedding"])
+    pooled = np.array(post(server, "/pooling", {"input": TEXTS[0]}).json()["data"][0]["data"])
+    np.testing.assert_allclose(raw_vector, pooled, atol=1e-5)
+    np.testing.assert_allclose(raw_vector / np.linalg.norm(raw_vector), floats[0], atol=1e-5)
+    embedded = post(server, "/pooling", {"input": TEXTS[0], "task": "embed"}).json()["data"][0]["data"]
+    np.testing.assert_allclose(embedded, floats[0], atol=1e-5)
+    for task in ("classify", "token_classify", "plugin"):
+        error = post(server, "/pooling", {"input": "x", "task": task}).json()["error"]
+        assert error["type"] == "BadRequestError" and error["message"].startswith(f"Unsupported task: {task!r}")
+    for field in ("encoding_format", "embed_dtype", "endianness"):
+        response = post(server, "/v1/embeddings", {"input": "x", "encoding_format": "base64", field: f"bad_{field}"})
+        assert response.status_code == 400
+        assert "literal_error" in response.json()["error"]["message"]
+        assert f"bad_{field}" in response.json()["error"]["message"]
+    both = post(server, "/v1/embeddings", {"messages": [{"role": "user", "content": "Hi"}],
+                                           "continue_final_message": True, "add_generation_prompt": True})
+    assert both.status_code == 400
+    assert "Cannot set both `continue_final_message` and `add_generation_prompt` to True." in both.json()["error"][
+        "message"]
 
 
 def test_score_and_rerank_follow_the_embeddings(client, server):

@@ -21,6 +21,11 @@ from compiled_llm.entrypoints.openai.protocol import (
 
 # `input`: a text, texts, token ids, or lists of token ids (OpenAI's four forms).
 EmbeddingInput = Union[str, list[str], list[TokenId], list[list[TokenId]]]
+# vLLM's output encodings: JSON floats, base64 of the binary vector, or the binary vectors as the
+# body (`bytes`: their layout in a `metadata` header; `bytes_only`: none, the client knows it).
+EncodingFormat = Literal["float", "base64", "bytes", "bytes_only"]
+EmbedDType = Literal["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"]
+Endianness = Literal["native", "big", "little"]
 
 
 class PoolingBaseRequest(RequestModel):
@@ -29,12 +34,14 @@ class PoolingBaseRequest(RequestModel):
     encoding and vLLM's extras."""
 
     REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = {"mm_processor_kwargs": (), "cache_salt": (),
-                                                     "softmax": (), "activation": (), "use_activation": ()}
+                                                     "softmax": (), "activation": ()}
 
     model: str | None = None
     input: EmbeddingInput | None = None
     messages: list[ChatMessage] | None = None
-    encoding_format: Literal["float", "base64"] = "float"
+    encoding_format: EncodingFormat = "float"
+    embed_dtype: EmbedDType = "float32"  # of base64 and bytes (float32: what OpenAI's client decodes)
+    endianness: Endianness = "native"
     dimensions: int | None = Field(default=None, ge=1, le=INT64_MAX)
     user: str | None = None
     truncate_prompt_tokens: LogprobsCount | None = None  # keep the last k prompt tokens; -1: max_model_len
@@ -47,6 +54,7 @@ class PoolingBaseRequest(RequestModel):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     normalize: bool | None = None  # None: the pooler config's (embeddings), off (pooling)
+    use_activation: bool | None = None  # vLLM's newer name for `normalize`; wins over it
     priority: int = Field(default=0, ge=-(2**63), le=INT64_MAX)
     request_id: str | None = None
 
@@ -56,7 +64,12 @@ class PoolingBaseRequest(RequestModel):
             raise ValueError("give exactly one of input (texts or token ids) and messages (a conversation)")
         if self.truncate_prompt_tokens == 0:
             raise ValueError("truncate_prompt_tokens must be -1 (the model's context) or at least 1")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
         return self
+
+    def normalize_asked(self) -> bool | None:
+        return self.use_activation if self.use_activation is not None else self.normalize
 
 
 class EmbeddingRequest(PoolingBaseRequest):
@@ -79,7 +92,11 @@ class EmbeddingResponse(OpenAIBaseModel):
 
 
 class PoolingRequest(PoolingBaseRequest):
-    """vLLM's /pooling: the pooled hidden state as it is, unless `normalize` asks."""
+    """vLLM's /pooling: the pooled hidden state as it is, unless `normalize` asks; `task: embed`
+    pools as /v1/embeddings does. Any other task is a 400 naming the ones served (a string, not a
+    literal: vLLM's message names the task refused)."""
+
+    task: str | None = None
 
 
 class PoolingResponseData(OpenAIBaseModel):

@@ -1,6 +1,8 @@
 """POST /v1/embeddings, and what every pooling route shares: turning the input (texts, token ids,
 or a conversation) into prompts, sending them to a pooling engine as one batch, and encoding the
-vectors (`float`, or `base64` of little-endian float32 values, as OpenAI's clients decode them).
+vectors as vLLM does: `float` (JSON), `base64` of the binary vector, or the binary vectors as the
+body (`bytes`, their layout in a `metadata` header, or `bytes_only`); binary in the request's
+`embed_dtype` and `endianness` (float32, native: what OpenAI's clients decode).
 
 A pooling route on a server that generates (or a generating route on a pooling server) is a 400
 naming the flag that serves it.
@@ -10,9 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
+import sys
+import time
 from typing import Any
 
-import numpy as np
+import torch
 from fastapi import Request
 from fastapi.responses import Response
 
@@ -36,11 +41,44 @@ NOT_POOLING = ("This model is served to generate text; the pooling APIs (embeddi
                "need a server started with --runner pooling --convert embed.")
 
 
-def encode_vector(values: Any, encoding_format: str) -> list[float] | str:
-    """A vector as JSON floats, or as base64 of its little-endian float32 bytes."""
-    if encoding_format == "base64":
-        return base64.b64encode(np.asarray(values, dtype="<f4").tobytes()).decode("ascii")
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                 "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+_UINT_DTYPES = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32}
+
+
+def vector_bytes(values: torch.Tensor, embed_dtype: str = "float32", endianness: str = "native") -> bytes:
+    """A vector's values cast to `embed_dtype`, in the byte order asked (native: this machine's)."""
+    cast = values.to(_TORCH_DTYPES[embed_dtype]).flatten()
+    array = cast.view(_UINT_DTYPES[cast.element_size()]).numpy()  # numpy has no bfloat16 / fp8
+    if endianness not in ("native", sys.byteorder):
+        array = array.byteswap()
+    return array.tobytes()
+
+
+def encode_vector(values: torch.Tensor, request: PoolingBaseRequest) -> list[float] | str:
+    """A vector as JSON floats, or base64 of its bytes (the JSON encodings; bytes: `bytes_response`)."""
+    if request.encoding_format == "base64":
+        return base64.b64encode(vector_bytes(values, request.embed_dtype, request.endianness)).decode("ascii")
     return values.tolist()
+
+
+def bytes_response(request_id: str, model: str, outputs: list[PoolingRequestOutput],
+                   request: PoolingBaseRequest) -> Response:
+    """vLLM's binary answer: the vectors' bytes end to end as the body; for `bytes`, a `metadata`
+    header (JSON) says where each one lies, its dtype, byte order and shape, and the usage."""
+    chunks, items = [], []
+    for i, output in enumerate(outputs):
+        data = vector_bytes(output.outputs.data, request.embed_dtype, request.endianness)
+        start = sum(len(c) for c in chunks)
+        items.append({"index": i, "embed_dtype": request.embed_dtype, "endianness": request.endianness,
+                      "start": start, "end": start + len(data), "shape": list(output.outputs.data.shape)})
+        chunks.append(data)
+    headers = None
+    if request.encoding_format == "bytes":
+        tokens = sum(len(o.prompt_token_ids) for o in outputs)
+        headers = {"metadata": json.dumps({"id": request_id, "created": int(time.time()), "model": model,
+                                           "data": items, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})}
+    return Response(b"".join(chunks), headers=headers, media_type="application/octet-stream")
 
 
 def pooling_usage(num_prompt_tokens: int) -> UsageInfo:
@@ -109,14 +147,15 @@ class OpenAIServingPoolingBase(OpenAIServing):
 class OpenAIServingEmbedding(OpenAIServingPoolingBase):
     async def create_embedding(self, request: EmbeddingRequest, raw_request: Request) -> Response:
         self.check_pooling(request, request.model)
-        params = self.pooling_params("embed", request.dimensions, request.normalize)
+        params = self.pooling_params("embed", request.dimensions, request.normalize_asked())
         prompts = await self.prompts(request)
         request_id = f"embd-{request.request_id or random_uuid()}"
 
-        async def work() -> EmbeddingResponse:
+        async def work() -> EmbeddingResponse | Response:
             outputs = await self.pool(request_id, prompts, params, request.priority)
-            data = [EmbeddingResponseData(index=i, embedding=encode_vector(o.outputs.data.numpy(),
-                                                                           request.encoding_format))
+            if request.encoding_format in ("bytes", "bytes_only"):
+                return bytes_response(request_id, self.served_model_name, outputs, request)
+            data = [EmbeddingResponseData(index=i, embedding=encode_vector(o.outputs.data, request))
                     for i, o in enumerate(outputs)]
             return EmbeddingResponse(id=request_id, model=self.served_model_name, data=data,
                                      usage=pooling_usage(sum(len(p) for p in prompts)))

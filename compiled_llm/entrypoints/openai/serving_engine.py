@@ -256,16 +256,18 @@ def event_stream(events: AsyncIterator[str], request_ids: list[str], engine: Asy
     return StreamingResponse(body(), media_type="text/event-stream")
 
 
-async def json_response(raw_request: Request, work: Awaitable[BaseModel], request_ids: list[str],
+async def json_response(raw_request: Request, work: Awaitable[BaseModel | Response], request_ids: list[str],
                         engine: AsyncLLM) -> Response:
     """A whole response, computed unless the client goes away first (then 499 and its requests
-    aborted rather than generated for nobody)."""
+    aborted rather than generated for nobody); a body the work built itself (binary) as it is."""
     try:
         response = await unless_disconnected(raw_request, work)
     finally:
         await engine.abort(request_ids)
     if response is None:
         return Response(status_code=499)
+    if isinstance(response, Response):
+        return response
     return JSONResponse(response.model_dump())
 
 

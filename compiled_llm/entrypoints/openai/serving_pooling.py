@@ -25,6 +25,7 @@ from compiled_llm.entrypoints.openai.pooling_protocol import (
 )
 from compiled_llm.entrypoints.openai.serving_embedding import (
     OpenAIServingPoolingBase,
+    bytes_response,
     encode_vector,
     pooling_usage,
 )
@@ -32,17 +33,27 @@ from compiled_llm.entrypoints.score_utils import cosine_score, pair_up
 from compiled_llm.outputs import PoolingRequestOutput
 from compiled_llm.utils import random_uuid
 
+# /pooling's tasks here: `encode` (the pooled hidden state; the default) and `embed`. vLLM's
+# per-token tasks (token_embed, token_classify) and classify need a pooler this engine lacks.
+POOLING_ROUTE_TASKS = ("embed", "encode")
+
 
 class OpenAIServingPooling(OpenAIServingPoolingBase):
     async def create_pooling(self, request: PoolingRequest, raw_request: Request) -> Response:
         self.check_pooling(request, request.model)
-        params = self.pooling_params("encode", request.dimensions, request.normalize)
+        task = request.task or "encode"
+        if task not in POOLING_ROUTE_TASKS:
+            raise OpenAIError(f"Unsupported task: {task!r} Supported tasks: {list(POOLING_ROUTE_TASKS)}",
+                              param="task")
+        params = self.pooling_params(task, request.dimensions, request.normalize_asked())
         prompts = await self.prompts(request)
         request_id = f"pool-{request.request_id or random_uuid()}"
 
-        async def work() -> PoolingResponse:
+        async def work() -> PoolingResponse | Response:
             outputs = await self.pool(request_id, prompts, params, request.priority)
-            data = [PoolingResponseData(index=i, data=encode_vector(o.outputs.data.numpy(), request.encoding_format))
+            if request.encoding_format in ("bytes", "bytes_only"):
+                return bytes_response(request_id, self.served_model_name, outputs, request)
+            data = [PoolingResponseData(index=i, data=encode_vector(o.outputs.data, request))
                     for i, o in enumerate(outputs)]
             return PoolingResponse(id=request_id, model=self.served_model_name, data=data,
                                    usage=pooling_usage(sum(len(p) for p in prompts)))
