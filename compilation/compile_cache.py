@@ -7,6 +7,7 @@
 <root>/<key>/manifest.sig      HMAC-SHA256 of index.json, with a signing key (optional)
 <root>/<key>/graph.pkl, .json  the traced graph (traced_graph.py)
 <root>/<key>/artifacts/*.bin   one Inductor artifact per (piece structure, shape range or size)
+<root>/<key>/weights/*         the model's weights as packed after loading (models/packed_weights.py)
 <root>/<key>/inductor/         TORCHINDUCTOR_CACHE_DIR while a cold start fills this entry
 <root>/<key>/triton/           TRITON_CACHE_DIR likewise
 <root>/.<key>.lock             held while a process fills or reads the entry; its mtime: last used
@@ -60,6 +61,8 @@ INDEX_FILE = "index.json"
 SIGNATURE_FILE = "manifest.sig"
 FACTORS_FILE = "factors.json"
 ABOUT_FILE = "about.json"
+# Packed weights: read by the loader (`read_verified`), not copied into a warm start's stage.
+WEIGHTS_DIR = "weights"
 KEY_LENGTH = 16
 INDEX_VERSION = 2
 SIGNATURE_SCHEME = "hmac-sha256"
@@ -519,6 +522,21 @@ class CompileCache:
         self._verified[rel] = (stat.st_size, stat.st_mtime_ns)
         return data, None
 
+    def read_verified(self, rel: str) -> bytes | None:
+        """The bytes of file `rel` of the entry, checked against the index (and its signature), or
+        None where the entry does not list it or cannot vouch for it (the damage is logged)."""
+        if not self._index_loaded:
+            damage = self.load_index()
+            if damage is not None:
+                logger.warning("Compile cache entry %s: %s; not reading %s.", self.entry, damage, rel)
+                return None
+        if rel not in self.index:
+            return None
+        data, damage = self._read_verified(rel)
+        if damage is not None:
+            logger.warning("Compile cache file %s %s; not reading it.", self.entry / damage.path, damage.cause)
+        return data
+
     def stage(self) -> Stage:
         """Copy every file the index lists into a private folder, each checked against the index
         (and read once: what is checked is what is loaded). No files: nothing is saved. A stage
@@ -540,6 +558,8 @@ class CompileCache:
         stage.files.clear()
         stage.damages.clear()
         for rel in sorted(self.index):
+            if rel.startswith(f"{WEIGHTS_DIR}/"):
+                continue
             data, damage = self._read_verified(rel)
             if damage is not None:
                 stage.damages.append(damage)
@@ -667,12 +687,7 @@ class CompileCache:
             path.unlink(missing_ok=True)
         if unlisted:
             logger.info("Removed %d file(s) the compile cache index does not list from %s.", len(unlisted), self.entry)
-        if not (self.entry / FACTORS_FILE).exists():
-            atomic_write_bytes(self.entry / FACTORS_FILE,
-                               json.dumps(self.factors, indent=2, sort_keys=True, default=repr).encode())
-        if self.about and not (self.entry / ABOUT_FILE).exists():
-            about = {**self.about, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-            atomic_write_bytes(self.entry / ABOUT_FILE, json.dumps(about, indent=2, sort_keys=True).encode())
+        self._write_descriptions()
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.entry / "inductor")
         os.environ["TRITON_CACHE_DIR"] = str(self.entry / "triton")
         # Inductor keeps the kernels it built in memory, keyed by their source: compiling the same
@@ -682,6 +697,40 @@ class CompileCache:
         from torch._inductor.utils import clear_caches
 
         clear_caches()
+
+    def _write_descriptions(self) -> None:
+        if not (self.entry / FACTORS_FILE).exists():
+            atomic_write_bytes(self.entry / FACTORS_FILE,
+                               json.dumps(self.factors, indent=2, sort_keys=True, default=repr).encode())
+        if self.about and not (self.entry / ABOUT_FILE).exists():
+            about = {**self.about, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            atomic_write_bytes(self.entry / ABOUT_FILE, json.dumps(about, indent=2, sort_keys=True).encode())
+
+    def replace_file(self, rel: str, data: bytes) -> bool:
+        """Write `data` as file `rel` of the entry and list it in the index (checksummed and signed
+        like the compiled files), removing the other files of its folder (one file a folder: the
+        packed weights of the checkpoint last loaded). False, writing nothing, where the index on
+        disk cannot be trusted: the next start that compiles sets the entry aside first."""
+        assert self.writable, "the compile cache is written only under its lock"
+        if not self._index_loaded and self.load_index() is not None:
+            return False
+        self._wrote = True
+        self.entry.mkdir(parents=True, exist_ok=True)
+        self._write_descriptions()
+        folder = Path(rel).parent.as_posix()
+        for old in [r for r in self.index if Path(r).parent.as_posix() == folder and r != rel]:
+            (self.entry / old).unlink(missing_ok=True)
+            self.index.pop(old)
+            self._verified.pop(old, None)
+        atomic_write_bytes(self.entry / rel, data)
+        for name in (FACTORS_FILE, ABOUT_FILE, rel):  # the descriptions too, as `commit` lists them
+            path = self.entry / name
+            if path.is_file() and (name == rel or name not in self.index):
+                stat = path.stat()
+                self.index[name] = {"sha256": file_sha256(path), "bytes": stat.st_size}
+                self._verified[name] = (stat.st_size, stat.st_mtime_ns)
+        self._write_index()
+        return True
 
     @property
     def artifacts_dir(self) -> Path:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from compiled_llm.compilation.config import CompilationConfig
+from compiled_llm.config_json import read_config
 from compiled_llm.gguf_file import is_gguf, metadata_folder
 from compiled_llm.utils import cpu_flags
 
@@ -245,8 +246,6 @@ class ModelConfig:
         quantization: str | None = None,
         quantization_options: dict[str, Any] | None = None,
     ) -> "ModelConfig":
-        from transformers import AutoConfig
-
         path = Path(model)
         if is_gguf(path):  # config and tokenizer from the file's metadata, read once into a folder
             if quantization not in (None, GGUF):
@@ -264,7 +263,7 @@ class ModelConfig:
                 )
             if not (folder / "config.json").is_file():
                 raise FileNotFoundError(f"{folder} has no config.json; it is not a Hugging Face model folder.")
-        hf_config = AutoConfig.from_pretrained(folder)
+        hf_config = read_config(folder)
         archs = getattr(hf_config, "architectures", None) or []
         if not archs or archs[0] not in SUPPORTED_ARCHITECTURES:
             raise ValueError(

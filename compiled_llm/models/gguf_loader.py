@@ -12,7 +12,7 @@ pack); F32 and F16 ones (the norms) as tensors. No float copy of a quantized wei
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -32,16 +32,18 @@ def rotary_row_order(rows: int, num_heads: int) -> np.ndarray:
     return np.arange(rows).reshape(num_heads, head_dim // 2, 2).swapaxes(1, 2).reshape(rows)
 
 
-def iterate_gguf(path: str | Path, hf_config: Any) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
-    """Every tensor of the GGUF file at `path`, under the model's names, read through a memory map
-    at the offsets of the file's tensor table (gguf_file.py checked them, and keeps them)."""
+def iterate_gguf(path: str | Path, hf_config: Any, wanted: Callable[[str], bool] | None = None,
+                 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """Every tensor of the GGUF file at `path` (or those whose model name `wanted` accepts), under
+    the model's names, read through a memory map at the offsets of the file's tensor table
+    (gguf_file.py checked them, and keeps them)."""
     table = tensor_table(path)
     data = np.memmap(path, dtype=np.uint8, mode="r")
     heads = {"attn_q": hf_config.num_attention_heads,
              "attn_k": getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads}
     for gguf_name, entry in table.items():
         name = model_tensor_name(gguf_name)
-        if name is None:
+        if name is None or (wanted is not None and not wanted(name)):
             continue
         kind, shape = entry.type, entry.shape
         if kind not in SUPPORTED_TYPES:

@@ -7,7 +7,7 @@ second copy of the whole model.
 from __future__ import annotations
 
 import json
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Iterator
 
@@ -15,12 +15,14 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from compiled_llm.compilation.compile_cache import CompileCache
 from compiled_llm.config import ModelConfig
 from compiled_llm.gguf_file import is_gguf
 from compiled_llm.logger import init_logger
 from compiled_llm.models.checkpoint import CheckpointTensor, read
 from compiled_llm.models.gguf_loader import iterate_gguf
 from compiled_llm.models.layers.linear import CheckpointWeight, LinearBase
+from compiled_llm.models.packed_weights import PackedWeights
 from compiled_llm.models.registry import model_class
 from compiled_llm.quantization import get_quantization_config
 
@@ -65,10 +67,28 @@ def iterate_checkpoint(folder: Path) -> Iterator[tuple[str, CheckpointTensor]]:
                 yield name, CheckpointTensor(f, name)
 
 
-def load_weights(model: nn.Module, weights: Iterator[tuple[str, CheckpointWeight]]) -> None:
+def checkpoint_target(model: nn.Module, name: str) -> tuple[str, int | str | None]:
+    """(the model's tensor, the part of it) that checkpoint tensor `name` fills (q, k, v into
+    qkv_proj; gate, up into gate_up_proj)."""
+    for fused, part, shard_id in getattr(model, "stacked_params", ()):
+        if part in name:
+            return name.replace(part, fused), shard_id
+    return name, None
+
+
+def restored_tensors(restored: set[str]) -> set[str]:
+    """The weights of the layers `restored` from their packed state: filled without the checkpoint
+    (a tied LM head's too: the embedding's tensor then fills only the embedding)."""
+    return {f"{layer}.weight" for layer in restored}
+
+
+def load_weights(model: nn.Module, weights: Iterator[tuple[str, CheckpointWeight]],
+                 restored: set[str] = frozenset()) -> None:
     """Copy checkpoint tensors into the model, fusing q/k/v and gate/up; every parameter (and every
     linear layer's weight, however its method keeps it) must be filled. With tied embeddings the
-    embedding's tensor is the LM head's weight too."""
+    embedding's tensor is the LM head's weight too. `restored`: layers whose weight is in place
+    already (their packed state, packed_weights.py), whose tensors are skipped."""
+    done = restored_tensors(restored)
     targets: set[str] = {name for name, _ in model.named_parameters()}
     expected_shards: dict[str, int] = {}
     for name, module in model.named_modules():
@@ -77,24 +97,19 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, CheckpointWeight
         if isinstance(module, LinearBase):
             for part in ("weight",) + (("bias",) if module.bias is not None else ()):
                 expected_shards[f"{name}.{part}"] = len(module.output_sizes)
-    filled: dict[str, set] = {}
-    stacked = getattr(model, "stacked_params", ())
+    filled: dict[str, set] = {name: set(range(expected_shards.get(name, 1))) for name in done}
     tied = getattr(model, "tie_word_embeddings", False)
     for name, tensor in weights:
         if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
             continue
-        target, shard = name, None
-        for fused, part, shard_id in stacked:
-            if part in name:
-                target, shard = name.replace(part, fused), shard_id
-                break
+        target, shard = checkpoint_target(model, name)
         if target not in targets:  # a weight this implementation would silently drop: wrong outputs
             raise ValueError(
                 f"The checkpoint has tensor {name!r}, which {type(model).__name__} has no parameter for "
                 f"(a config feature this engine does not implement?)."
             )
         destinations = [target] + (["lm_head.weight"] if tied and target == "model.embed_tokens.weight" else [])
-        for destination in destinations:
+        for destination in (d for d in destinations if d not in done):
             _load_one(model, destination, tensor, shard)
             filled.setdefault(destination, set()).add(shard)
     missing = [n for n in sorted(targets) if len(filled.get(n, ())) < expected_shards.get(n, 1)]
@@ -133,19 +148,24 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
                 module.quant_method.load(module, normal((module.out_features, module.in_features)), None)
 
 
-def process_weights_after_loading(model: nn.Module) -> None:
+def process_weights_after_loading(model: nn.Module, restored: set[str] = frozenset()) -> None:
     """Once the weights are in: let every layer that has one run its post-load step (the linear
-    layers pack their weights for the C++ CPU kernels), as vLLM's loader does."""
+    layers pack their weights for the C++ CPU kernels), as vLLM's loader does; the `restored`
+    layers are packed already."""
     with torch.no_grad():
-        for module in model.modules():
-            step = getattr(module, "process_weights_after_loading", None)
+        for name, module in model.named_modules():
+            step = getattr(module, "process_weights_after_loading", None) if name not in restored else None
             if callable(step):
                 step()
 
 
-def build_model(config: ModelConfig, device: torch.device, cpu_kernels: bool = False) -> nn.Module:
+def build_model(config: ModelConfig, device: torch.device, cpu_kernels: bool = False,
+                packed_cache: CompileCache | None = None, require_cache_hit: bool = False) -> nn.Module:
     """The model of `config`, with weights (or random ones for `load_format="dummy"`), processed
-    after loading, in eval mode. `cpu_kernels`: its linear layers call this project's C++ CPU kernels."""
+    after loading, in eval mode. `cpu_kernels`: its linear layers call this project's C++ CPU kernels.
+    `packed_cache`: the compile cache entry whose packed weights (packed_weights.py) it takes
+    where they are there for this checkpoint, and saves them in where not (a strict start,
+    `require_cache_hit`, creates no entry)."""
     load_format = config.load_format
     cls = model_class(config.architecture)
     quant_config = get_quantization_config(config.quantization, config)
@@ -155,10 +175,32 @@ def build_model(config: ModelConfig, device: torch.device, cpu_kernels: bool = F
         model = cls(config.hf_config, cpu_kernels=cpu_kernels, quant_config=quant_config)
     if load_format == "dummy":
         init_dummy_weights(model, config.seed)
-    elif load_format == "auto":
-        load_weights(model, iterate_gguf(config.model, config.hf_config) if is_gguf(config.model)
-                     else iterate_checkpoint(Path(config.model)))
-    else:
+        process_weights_after_loading(model)
+        return model.eval()
+    if load_format != "auto":
         raise ValueError(f"Unknown load_format {load_format!r}; use auto or dummy.")
-    process_weights_after_loading(model)
+    packed = None
+    if packed_cache is not None and cpu_kernels:  # packing is slow only for the C++ kernels' layouts
+        packed = PackedWeights(packed_cache, config, checkpoint_paths(config.model))
+    with packed_cache.opened(require_cache_hit) if packed is not None else nullcontext():
+        restored = packed.restore(model) if packed is not None else set()
+        done = restored_tensors(restored)
+
+        def needed(name: str) -> bool:
+            return checkpoint_target(model, name)[0] not in done
+
+        load_weights(model, iterate_gguf(config.model, config.hf_config, needed) if is_gguf(config.model)
+                     else iterate_checkpoint(Path(config.model)), restored)
+        process_weights_after_loading(model, restored)
+        if packed is not None and not restored:
+            packed.save(model)
     return model.eval()
+
+
+def checkpoint_paths(model: str) -> list[Path]:
+    """The files the weights of `model` (a GGUF file or a Hugging Face folder) are read from."""
+    if is_gguf(model):
+        return [Path(model)]
+    folder = Path(model)
+    index = folder / "model.safetensors.index.json"
+    return checkpoint_files(folder) + ([index] if index.is_file() else [])

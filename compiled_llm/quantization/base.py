@@ -56,6 +56,16 @@ class LinearMethod(ABC):
         scales) one rank would, and TP=N computes with the weights of TP=1. Default: as it is."""
         return loaded
 
+    def packed_state(self, layer: nn.Module) -> dict[str, torch.Tensor | int] | None:
+        """After `process_weights_after_loading`: what it made, where that is all the layer needs to
+        run (stored in the compile cache entry, so that a warm start neither reads this layer's
+        checkpoint tensors nor packs them again); None (default) where the layer needs more."""
+        return None
+
+    def restore_packed(self, layer: nn.Module, state: dict[str, torch.Tensor | int]) -> None:
+        """Take back what `packed_state` returned, in place of loading and processing."""
+        raise NotImplementedError(f"{type(self).__name__} stores no packed state")
+
     def tie(self, layer: nn.Module, embedding: nn.Parameter) -> None:  # noqa: B027 (an optional hook)
         """The LM head of a model with tied embeddings: share the embedding's parameter where the
         method keeps the weight as it is (default: nothing; the loader gives the head the

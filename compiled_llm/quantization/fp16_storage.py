@@ -47,6 +47,14 @@ class HalfStorageLinearMethod(LinearMethod):
             layer.packed_weight = torch.ops.compiled_llm_cpu.pack_half_weight(weight.detach(), 0)
             del layer.weight  # the packed copy is the weight now: keep half of float32's bytes, not more
 
+    def packed_state(self, layer: nn.Module) -> dict[str, torch.Tensor | int] | None:
+        return None if layer.packed_weight is None else {"packed_weight": layer.packed_weight}
+
+    def restore_packed(self, layer: nn.Module, state: dict[str, torch.Tensor | int]) -> None:
+        layer.packed_weight = state["packed_weight"]
+        if "weight" in layer._parameters:
+            del layer.weight
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if layer.packed_weight is not None:
             return torch.ops.compiled_llm_cpu.half_linear(x, layer.packed_weight, bias, layer.out_features)

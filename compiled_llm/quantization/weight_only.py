@@ -107,6 +107,15 @@ class WeightOnlyLinearMethod(LinearMethod):
         layer.scales = weight.scales.to(device, layer.params_dtype)
         layer.mins = None if weight.mins is None else weight.mins.to(device, layer.params_dtype)
 
+    def packed_state(self, layer: nn.Module) -> dict[str, torch.Tensor | int] | None:
+        if layer.packed_weight is None:  # the Triton and plain-torch layouts are quick to make
+            return None
+        return {"packed_weight": layer.packed_weight, "group_size": layer.group_size}
+
+    def restore_packed(self, layer: nn.Module, state: dict[str, torch.Tensor | int]) -> None:
+        layer.quantized_parts = {}
+        layer.packed_weight, layer.group_size = state["packed_weight"], state["group_size"]
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if layer.packed_weight is not None:
             return torch.ops.compiled_llm_cpu.quantized_linear(
