@@ -6,6 +6,7 @@ of vocabulary)."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
 openai = pytest.importorskip("openai")
@@ -97,3 +98,15 @@ def test_logprob_token_ids_return_the_chosen_ids(client):
     message = bad_request(client.chat.completions.create, messages=[{"role": "user", "content": "x"}],
                           max_tokens=1, logprobs=True, extra_body={"logprob_token_ids": [10**7]})
     assert "out of vocabulary" in message
+
+
+def test_chat_response_carries_vllms_null_fields(client, tiny_api_server):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
+    data = httpx.post(tiny_api_server.url + "/v1/chat/completions", json=body, timeout=TIMEOUT).json()
+    assert data["service_tier"] is None and data["system_fingerprint"] is None
+    message = data["choices"][0]["message"]
+    assert {k: message[k] for k in ("refusal", "annotations", "audio", "function_call")} == dict.fromkeys(
+        ("refusal", "annotations", "audio", "function_call"))
+    assert "tool_calls" not in message  # vLLM leaves out an empty list
+    invoked = httpx.post(tiny_api_server.url + "/invocations", json=body, timeout=TIMEOUT).json()
+    assert invoked.keys() == data.keys() and invoked["choices"][0]["message"].keys() == message.keys()

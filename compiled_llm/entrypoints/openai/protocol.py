@@ -502,12 +502,17 @@ class ToolCall(OpenAIBaseModel):
 class ChatResponseMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
+    # OpenAI's message fields this server never fills, null as vLLM sends them (clients that
+    # compare a response's keys with their own model's expect them).
+    refusal: str | None = None
+    annotations: list[dict[str, Any]] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: FunctionCall | None = None  # the older functions API's single call
     # With --reasoning-parser (set, even to None, only then): the text of the model's thinking,
     # under vLLM's name and its older one.
     reasoning: str | None = None
     reasoning_content: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
-    function_call: FunctionCall | None = None  # the older functions API's single call
 
     @model_serializer(mode="wrap")
     def _leave_out_empty(self, handler: Any) -> dict[str, Any]:
@@ -515,10 +520,8 @@ class ChatResponseMessage(OpenAIBaseModel):
         for name in ("reasoning", "reasoning_content"):
             if name not in self.model_fields_set:
                 data.pop(name, None)
-        if not data.get("tool_calls"):
+        if not data.get("tool_calls"):  # vLLM leaves out an empty list of calls
             data.pop("tool_calls", None)
-        if data.get("function_call") is None:
-            data.pop("function_call", None)
         return data
 
 
@@ -537,6 +540,8 @@ class ChatCompletionResponse(OpenAIBaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatCompletionResponseChoice]
+    service_tier: str | None = None  # OpenAI's; null, as vLLM sends them
+    system_fingerprint: str | None = None
     usage: UsageInfo
     prompt_logprobs: PromptLogprobsOut | None = None
     prompt_token_ids: list[int] | None = None  # return_token_ids
