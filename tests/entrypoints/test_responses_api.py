@@ -167,7 +167,8 @@ def _error(call) -> tuple[int, dict[str, Any]]:
     ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
     ({"input": []}, "input"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
-    ({"include": ["reasoning.encrypted_content", "message.output_text.logprobs"]}, "include"),
+    ({"include": ["message.output_text.logprobs", "file_search_call.results"]}, "include"),
+    ({"include": ["message.output_text.logprobs"], "top_logprobs": 10**6}, "top_logprobs"),
     ({"max_output_tokens": 5000}, "max_output_tokens"),  # past the context
     ({"tools": TOOLS, "tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
@@ -211,14 +212,50 @@ def test_previous_response_get_and_delete(tiny_api_server):
                             max_output_tokens=5) as stream:
         third = stream.get_final_response()
     assert c.responses.retrieve(third.id).output_text == third.output_text
+    status, body = _error(lambda: c.responses.cancel(first.id))  # as vLLM: only a background one can be
+    assert status == 400 and body["message"] == "Cannot cancel a synchronous response."
     c.responses.delete(first.id)
-    for call in (lambda: c.responses.retrieve(first.id), lambda: c.responses.delete(first.id)):
+    for call in (lambda: c.responses.retrieve(first.id), lambda: c.responses.delete(first.id),
+                 lambda: c.responses.cancel(first.id)):
         assert _error(call)[0] == 404
     # Each response keeps its whole conversation: a continuation outlives the responses before it.
     fourth = c.responses.create(model="tiny", input="And?", previous_response_id=second.id, max_output_tokens=2)
     assert fourth.usage.input_tokens > second.usage.input_tokens
     unstored = c.responses.create(model="tiny", input="hi", store=False, max_output_tokens=2)
     assert unstored.store is False and _error(lambda: c.responses.retrieve(unstored.id))[0] == 404
+
+
+def test_output_logprobs_and_response_messages(tiny_api_server):
+    """include message.output_text.logprobs with top_logprobs: each output token's logprob and its
+    alternatives, the same as chat's, whole and streamed (each delta with its own tokens'); vLLM's
+    enable_response_messages: the prompt and the output as the model saw and wrote them."""
+    c = client(tiny_api_server)
+    kwargs = {"model": "tiny", "input": "Hello", "max_output_tokens": 6, "temperature": 0,
+              "include": ["message.output_text.logprobs"], "top_logprobs": 3}
+    whole = c.responses.create(**kwargs, extra_body={"enable_response_messages": True})
+    chat = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=6,
+                                     temperature=0, logprobs=True, top_logprobs=3)
+    logprobs = whole.output[0].content[0].logprobs
+    expected = chat.choices[0].logprobs.content
+    assert [lp.token for lp in logprobs] == [lp.token for lp in expected]
+    assert len(logprobs) == whole.usage.output_tokens
+    for got, want in zip(logprobs, expected):
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-4) and got.bytes == want.bytes
+        assert [t.token for t in got.top_logprobs] == [t.token for t in want.top_logprobs]
+        assert len(got.top_logprobs) == 3
+    raw_in, raw_out = whole.input_messages[0], whole.output_messages[0]
+    assert raw_in["type"] == raw_out["type"] == "raw_message_tokens"
+    assert raw_in["message"].endswith("assistant\n") and len(raw_in["tokens"]) == whole.usage.input_tokens
+    assert len(raw_out["tokens"]) == whole.usage.output_tokens and raw_out["message"]
+    events = list(c.responses.create(stream=True, **kwargs))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert [lp.token for e in deltas for lp in e.logprobs] == [lp.token for lp in logprobs]
+    assert all(e.logprobs for e in deltas)
+    final = events[-1].response
+    assert [lp.token for lp in final.output[0].content[0].logprobs] == [lp.token for lp in logprobs]
+    assert final.input_messages is None
+    plain = c.responses.create(model="tiny", input="Hello", max_output_tokens=2, top_logprobs=3)
+    assert plain.output[0].content[0].logprobs is None  # not asked for by `include`
 
 
 def test_store_evicts_least_recently_used():

@@ -275,6 +275,10 @@ def build_app(
     async def delete_response(response_id: str) -> Response:
         return responses.delete(response_id)
 
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> Response:
+        return responses.cancel(response_id)
+
     @app.post("/invocations")
     async def invocations(raw_request: Request) -> Response:
         if engine.model_config.runner == "pooling":  # vLLM's: the request types the served model answers

@@ -17,7 +17,14 @@ from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import ConfigDict, Field
 
-from compiled_llm.entrypoints.openai.protocol import Float32, Int64, JsonObject, OpenAIBaseModel, RequestModel
+from compiled_llm.entrypoints.openai.protocol import (
+    Float32,
+    Int64,
+    JsonObject,
+    LogprobsCount,
+    OpenAIBaseModel,
+    RequestModel,
+)
 from compiled_llm.utils import random_uuid
 
 
@@ -41,11 +48,10 @@ class ResponseTextConfig(OpenAIBaseModel):
 class ResponsesRequest(RequestModel):
     REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = {
         # OpenAI's
-        "conversation": (), "prompt": (), "max_tool_calls": (), "top_logprobs": (0,), "stream_options": (),
+        "conversation": (), "prompt": (), "max_tool_calls": (), "stream_options": (),
         "truncation": ("disabled",), "context_management": (),
         # vLLM's
         "previous_input_messages": (), "mm_processor_kwargs": (), "cache_salt": (), "vllm_xargs": (),
-        "enable_response_messages": (False,),
     }
 
     model: str | None = None
@@ -65,7 +71,10 @@ class ResponsesRequest(RequestModel):
     previous_response_id: str | None = None
     # Accepted and echoed; nothing here acts on it (the reasoning parser decides what is reasoning).
     reasoning: dict[str, Any] | None = None
-    include: list[str] | None = None  # only what needs nothing added (a 400 names the rest)
+    include: list[str] | None = None  # what this server can add (a 400 names the rest)
+    # The sampled tokens' logprobs and this many alternatives each, on the output text, only when
+    # `include` names message.output_text.logprobs (as OpenAI and vLLM).
+    top_logprobs: LogprobsCount | None = None
     user: str | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
@@ -81,6 +90,11 @@ class ResponsesRequest(RequestModel):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's: the response also carries the rendered prompt and the raw output, text and token ids.
+    enable_response_messages: bool = False
+
+    def wants_logprobs(self) -> bool:
+        return "message.output_text.logprobs" in (self.include or ())
 
 
 # ---- output items -----------------------------------------------------------------------------
@@ -149,6 +163,14 @@ class IncompleteDetails(OpenAIBaseModel):
     reason: Literal["max_output_tokens", "content_filter"]
 
 
+class RawMessage(OpenAIBaseModel):
+    """vLLM's `raw_message_tokens`: a text as the model saw or wrote it, and its token ids."""
+
+    type: Literal["raw_message_tokens"] = "raw_message_tokens"
+    message: str
+    tokens: list[int]
+
+
 class ResponsesResponse(OpenAIBaseModel):
     id: str = Field(default_factory=lambda: f"resp_{random_uuid()}")
     object: Literal["response"] = "response"
@@ -175,6 +197,9 @@ class ResponsesResponse(OpenAIBaseModel):
     service_tier: str = "auto"
     user: str | None = None
     usage: ResponseUsage | None = None
+    # vLLM's enable_response_messages: [RawMessage] of the prompt and of the output (else null).
+    input_messages: list[RawMessage] | None = None
+    output_messages: list[RawMessage] | None = None
 
 
 class ResponseDeleted(OpenAIBaseModel):
@@ -240,10 +265,11 @@ class FunctionCallArgumentsDoneEvent(OpenAIBaseModel):
     arguments: str
 
 
-def text_delta_event(sequence_number: int, item_id: str, output_index: int, delta: str) -> dict[str, Any]:
-    """`response.output_text.delta` (content part 0 of a message)."""
+def text_delta_event(sequence_number: int, item_id: str, output_index: int, delta: str,
+                     logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """`response.output_text.delta` (content part 0 of a message), with its tokens' logprobs if asked."""
     return {"type": "response.output_text.delta", "sequence_number": sequence_number, "item_id": item_id,
-            "output_index": output_index, "content_index": 0, "delta": delta, "logprobs": []}
+            "output_index": output_index, "content_index": 0, "delta": delta, "logprobs": logprobs or []}
 
 
 def reasoning_delta_event(sequence_number: int, item_id: str, output_index: int, delta: str) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""POST /v1/responses (OpenAI's Responses API), GET and DELETE /v1/responses/{id}.
+"""POST /v1/responses (OpenAI's Responses API), GET and DELETE /v1/responses/{id}, and POST
+/v1/responses/{id}/cancel (a 400: no response served here runs in the background).
 
 A Responses request is served as the chat completion it amounts to: its `instructions` become a
 system message, its input items chat messages (`developer` is `system`; a `function_call` item an
@@ -31,6 +32,7 @@ from fastapi.responses import JSONResponse, Response
 from compiled_llm.engine.async_llm import RequestStream
 from compiled_llm.entrypoints.openai.chat_tools import ToolPlan, plan_tools
 from compiled_llm.entrypoints.openai.errors import OpenAIError
+from compiled_llm.entrypoints.openai.logprobs import chat_logprobs
 from compiled_llm.entrypoints.openai.protocol import ChatCompletionRequest
 from compiled_llm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS, ReasoningParser, ReasoningStreamer
 from compiled_llm.entrypoints.openai.reasoning_parsers.think import Qwen3ReasoningParser
@@ -46,6 +48,7 @@ from compiled_llm.entrypoints.openai.responses_protocol import (
     OutputText,
     OutputTextDoneEvent,
     OutputTokensDetails,
+    RawMessage,
     ReasoningItem,
     ReasoningText,
     ReasoningTextDoneEvent,
@@ -65,14 +68,16 @@ from compiled_llm.entrypoints.openai.serving_engine import event_stream, final_o
 from compiled_llm.entrypoints.openai.stream_events import event
 from compiled_llm.entrypoints.openai.structured_outputs import requested_structured_outputs
 from compiled_llm.logger import init_logger
+from compiled_llm.outputs import CompletionOutput, Logprob
 from compiled_llm.utils import random_uuid
 
 logger = init_logger(__name__)
 
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
-# What `include` may name: reasoning is never encrypted here, so there is nothing to add for it.
-_INCLUDABLE = ("reasoning.encrypted_content",)
+# What `include` may name: reasoning is never encrypted here, so there is nothing to add for it;
+# the output text's logprobs are.
+_INCLUDABLE = ("reasoning.encrypted_content", "message.output_text.logprobs")
 
 
 def _not_found(response_id: str, param: str = "response_id") -> OpenAIError:
@@ -222,6 +227,15 @@ class _Turn:
     prompt_token_ids: list[int]
     conversation: list[dict[str, Any]]  # earlier turns' items and this input: what a continuation prepends
     created_at: int
+    prompt_text: str
+    num_top: int | None  # the output text's logprobs, this many alternatives each (None: not asked)
+
+    def logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]]) -> list[dict[str, Any]] | None:
+        """OpenAI's output-text logprobs of these tokens (chat's entries: token, logprob, bytes, top_logprobs)."""
+        if self.num_top is None:
+            return None
+        entries = chat_logprobs(CompletionOutput(0, "", token_ids, logprobs=logprobs), self.num_top).content
+        return [entry.model_dump() for entry in entries or []]
 
 
 class OpenAIServingResponses:
@@ -276,11 +290,13 @@ class OpenAIServingResponses:
         except OpenAIError as e:  # named as chat names it
             e.param = "max_output_tokens"
             raise
-        params = chat.sampling_params(creq, creq.max_tokens, None, None, structured)
+        num_top = chat.logprobs_count(request.top_logprobs or 0, "top_logprobs") if request.wants_logprobs() else None
+        params = chat.sampling_params(creq, creq.max_tokens, num_top, None, structured)
         request_id = f"resp_{request.request_id or random_uuid()}"
         stream = await chat.add_request(request_id, {"prompt": text, "prompt_token_ids": ids}, params, creq.priority,
                                         chat.lora_request(request.model))
-        turn = _Turn(request, request_id, tools, reasoning_parser, ids, conversation + items, int(time.time()))
+        turn = _Turn(request, request_id, tools, reasoning_parser, ids, conversation + items, int(time.time()), text,
+                     num_top)
         if request.stream:
             return event_stream(self._events(turn, stream), [request_id], self.engine)
         return await json_response(raw_request, self._respond(turn, stream), [request_id], self.engine)
@@ -291,14 +307,22 @@ class OpenAIServingResponses:
             raise _not_found(response_id)
         return JSONResponse(entry.response.model_dump())
 
+    def cancel(self, response_id: str) -> JSONResponse:
+        """vLLM's cancel: only a background response can be, and none is served here, so a kept
+        response is a 400 (it is finished) and any other id a 404."""
+        if self.store is None or self.store.get(response_id) is None:
+            raise _not_found(response_id)
+        raise OpenAIError("Cannot cancel a synchronous response.", param="response_id")
+
     def delete(self, response_id: str) -> JSONResponse:
         if self.store is None or not self.store.delete(response_id):
             raise _not_found(response_id)
         return JSONResponse(ResponseDeleted(id=response_id).model_dump())
 
     async def _finish(self, turn: _Turn, output: list[OutputItem], truncated: bool, output_tokens: int,
-                      cached_tokens: int) -> ResponsesResponse:
-        """The finished response, stored when asked and the store is on."""
+                      cached_tokens: int, raw_output: tuple[str, list[int]]) -> ResponsesResponse:
+        """The finished response, stored when asked and the store is on; `raw_output`: the text
+        and token ids the model wrote (for enable_response_messages)."""
         reasoning_tokens = 0
         for item in output:
             if isinstance(item, ReasoningItem) and item.content:
@@ -310,6 +334,9 @@ class OpenAIServingResponses:
             total_tokens=input_tokens + output_tokens,
         )
         response = self._response(turn, "incomplete" if truncated else "completed", output, usage)
+        if turn.request.enable_response_messages:
+            response.input_messages = [RawMessage(message=turn.prompt_text, tokens=turn.prompt_token_ids)]
+            response.output_messages = [RawMessage(message=raw_output[0], tokens=raw_output[1])]
         if response.store:
             assert self.store is not None
             self.store.put(response, turn.conversation)
@@ -345,24 +372,32 @@ class OpenAIServingResponses:
             text = extracted.content or ""  # constrained output cut short: no call, no content
         if extracted is not None:
             calls = [FunctionToolCall(name=f.name, arguments=f.arguments) for f in extracted.calls]
-        if text or not calls:
+        if text or not calls:  # as vLLM: every output token's logprob is the message's
             output.append(OutputMessage(status="incomplete" if truncated else "completed",
-                                        content=[OutputText(text=text)]))
+                                        content=[OutputText(text=text,
+                                                            logprobs=turn.logprobs(c.token_ids, c.logprobs or []))]))
         output.extend(calls)
-        return await self._finish(turn, output, truncated, len(c.token_ids), out.num_cached_tokens)
+        return await self._finish(turn, output, truncated, len(c.token_ids), out.num_cached_tokens,
+                                  (c.text, list(c.token_ids)))
 
     async def _events(self, turn: _Turn, stream: RequestStream) -> AsyncIterator[str]:
-        state = StreamedOutput()
+        state = StreamedOutput(with_logprobs=turn.num_top is not None)
         yield state.lifecycle("response.created", self._response(turn, "in_progress", []))
         yield state.lifecycle("response.in_progress", self._response(turn, "in_progress", []))
         reasoning = ReasoningStreamer(turn.reasoning_parser()) if turn.reasoning_parser is not None else None
         tool_streamer = turn.tools.new_streamer()
         text, content_sent, output_tokens, cached, truncated = "", "", 0, 0, False
+        token_ids: list[int] = []
+        pending: tuple[list[int], list[dict[int, Logprob]]] = ([], [])  # tokens whose text is not yet sent
         async for out in stream:
             cached = out.num_cached_tokens
             c = out.outputs[0]
             text += c.text
             output_tokens += len(c.token_ids)
+            token_ids += c.token_ids
+            if turn.num_top is not None:
+                pending[0].extend(c.token_ids)
+                pending[1].extend(c.logprobs or [])
             final = c.finish_reason is not None
             truncated = c.finish_reason == "length"
             new_reasoning, content_text = reasoning.update(text, final) if reasoning is not None else ("", text)
@@ -375,8 +410,9 @@ class OpenAIServingResponses:
             else:
                 content, calls = tool_streamer.update(content_text, final)
             if content:
-                for e in state.text_delta(content):
+                for e in state.text_delta(content, turn.logprobs(*pending)):
                     yield e
+                pending = ([], [])
             for d in calls:
                 for e in state.call_delta(d.index, d.name if d.id is not None else None, d.arguments):
                     yield e
@@ -385,7 +421,7 @@ class OpenAIServingResponses:
                 yield e
         for e in state.close("incomplete" if truncated else "completed"):
             yield e
-        response = await self._finish(turn, state.output, truncated, output_tokens, cached)
+        response = await self._finish(turn, state.output, truncated, output_tokens, cached, (text, token_ids))
         yield state.lifecycle("response.completed", response)
 
 
@@ -399,6 +435,8 @@ class StreamedOutput:
     calls: dict[int, int] = field(default_factory=dict)  # the tool-call streamer's index -> the call's output index
     open: bool = False
     numbers: Iterator[int] = field(default_factory=itertools.count)
+    with_logprobs: bool = False
+    logprobs: list[dict[str, Any]] = field(default_factory=list)  # the open message's, when asked
 
     def lifecycle(self, kind: Any, response: ResponsesResponse) -> str:
         return sse(ResponseLifecycleEvent(type=kind, sequence_number=next(self.numbers), response=response))
@@ -406,7 +444,7 @@ class StreamedOutput:
     def _add(self, item: OutputItem) -> list[str]:
         events = self.close("completed")
         self.output.append(item)
-        self.open, self.text = True, ""
+        self.open, self.text, self.logprobs = True, "", []
         index = len(self.output) - 1
         events.append(sse(OutputItemEvent(type="response.output_item.added", sequence_number=next(self.numbers),
                                           output_index=index, item=item)))
@@ -422,10 +460,12 @@ class StreamedOutput:
     def open_message(self) -> list[str]:
         return [] if self._current(OutputMessage) else self._add(OutputMessage(status="in_progress"))
 
-    def text_delta(self, delta: str) -> list[str]:
+    def text_delta(self, delta: str, logprobs: list[dict[str, Any]] | None = None) -> list[str]:
         events = self.open_message()
         self.text += delta
-        events.append(event(text_delta_event(next(self.numbers), self.output[-1].id, len(self.output) - 1, delta)))
+        self.logprobs += logprobs or []
+        events.append(event(text_delta_event(next(self.numbers), self.output[-1].id, len(self.output) - 1, delta,
+                                             logprobs)))
         return events
 
     def reasoning_delta(self, delta: str) -> list[str]:
@@ -458,10 +498,11 @@ class StreamedOutput:
         item.status = status  # type: ignore[assignment]
         events = []
         if isinstance(item, OutputMessage):
-            part: OutputText | ReasoningText = OutputText(text=self.text)
+            part: OutputText | ReasoningText = OutputText(text=self.text,
+                                                          logprobs=self.logprobs if self.with_logprobs else None)
             item.content = [part]
             events.append(sse(OutputTextDoneEvent(sequence_number=next(self.numbers), item_id=item.id,
-                                                  output_index=index, text=self.text)))
+                                                  output_index=index, text=self.text, logprobs=self.logprobs)))
         elif isinstance(item, ReasoningItem):
             part = ReasoningText(text=self.text)
             item.content = [part]
