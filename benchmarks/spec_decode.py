@@ -22,7 +22,11 @@ create_completion(stream=True); it does not stop at EOS, so every request gets -
 plain, and with `LlamaPromptLookupDecoding` at its defaults (max_ngram_size 2, num_pred_tokens 10)
 and at num_pred_tokens = our -k; the table shows the faster of the two.
 
+`--async-scheduling` adds both engines with asynchronous scheduling (taking turns with the others) and
+a table of synchronous against asynchronous; `--no-llama-cpp` leaves llama.cpp out.
+
     python benchmarks/spec_decode.py [--max-tokens 128] [--batches 1,32] [-k 4] [-O 1] [--runs 3] [--quick] [--json]
+                                     [--async-scheduling] [--no-llama-cpp]
 """
 
 from __future__ import annotations
@@ -123,6 +127,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3, help="repetitions (median of the tok/s)")
     parser.add_argument("--quick", action="store_true", help="16 tokens at batch 1, one run: checks the script works")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--async-scheduling", action="store_true", help="also both engines with async scheduling")
+    parser.add_argument("--no-llama-cpp", action="store_true")
     args = parser.parse_args()
     batches = [1] if args.quick else [int(b) for b in args.batches.split(",")]
     max_tokens = 16 if args.quick else args.max_tokens
@@ -143,12 +149,15 @@ def main() -> None:
     warm = [repetitive_chats()[0], story_chats()[0]]
     warm_params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     engines = {}
-    for label, config in (("off", None), ("ngram", spec)):
+    variants = [("off", None, False), ("ngram", spec, False)]
+    if args.async_scheduling:
+        variants += [("off async", None, True), ("ngram async", spec, True)]
+    for label, config, async_scheduling in variants:
         engines[label] = LLM(optimization_level=args.optimization_level, max_model_len=2048,
-                             speculative_config=config, max_num_seqs=max(batches))
+                             speculative_config=config, max_num_seqs=max(batches), async_scheduling=async_scheduling)
         warm_ids = [o.prompt_token_ids for o in engines[label].chat(warm, warm_params, use_tqdm=False)]
     peer, lookups = None, {}
-    missing = peer_llama_cpp.missing_reason()
+    missing = "left out (--no-llama-cpp)" if args.no_llama_cpp else peer_llama_cpp.missing_reason()
     if missing:
         print(f"llama.cpp: {missing}: its columns stay empty")
     else:
@@ -214,6 +223,18 @@ def main() -> None:
                   f"| {num(on['mean_accepted_len'], '.2f')} / {num(look.get('mean_accepted_len'), '.2f')} "
                   f"| {off['wall_tok_s']:.1f} / {on['wall_tok_s']:.1f} |")
     print("batch 1: decode tok/s (first to last token, prefill left out); 32: wall tok/s (prefill included).")
+    if args.async_scheduling:
+        print("\n| workload | batch | off tok/s sync / async | ngram tok/s sync / async | ngram async / sync "
+              "| acceptance sync / async | mean accepted length sync / async |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
+        for name in workloads:
+            for batch in batches:
+                off, off_a, on, on_a = (results[f"{name}/{batch}/{label}"]
+                                        for label in ("off", "off async", "ngram", "ngram async"))
+                print(f"| {name} | {batch} | {off['tok_s']:.1f} / {off_a['tok_s']:.1f} "
+                      f"| {on['tok_s']:.1f} / {on_a['tok_s']:.1f} | {on_a['tok_s'] / on['tok_s']:.2f}x "
+                      f"| {pct(on['acceptance'])} / {pct(on_a['acceptance'])} "
+                      f"| {num(on['mean_accepted_len'], '.2f')} / {num(on_a['mean_accepted_len'], '.2f')} |")
     for name, figures in agree.items():
         cells = "; ".join(f"{label}: {results[f'{name}/1/{label}']['tok_s']:.1f} tok/s, "
                           f"{pct(results[f'{name}/1/{label}']['acceptance'])} accepted"

@@ -20,9 +20,10 @@ def sample(llm: LLM, prompt: list[int], **params) -> np.ndarray:
     return np.array([o.outputs[0].token_ids for o in llm.generate(prompts, many, use_tqdm=False)])
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_sampled_tokens_follow_the_same_distribution(small_vocab_llama, method):
-    """draft_model: the model is its own draft, proposing its greedy tokens."""
+@pytest.mark.parametrize("method,async_scheduling", [("ngram", False), ("draft_model", False), ("ngram", True)])
+def test_sampled_tokens_follow_the_same_distribution(small_vocab_llama, method, async_scheduling):
+    """draft_model: the model is its own draft, proposing its greedy tokens. async_scheduling: the
+    runner proposes the n-gram drafts, a step ahead of the scheduler."""
     kwargs = dict(optimization_level=0, max_model_len=128, kv_cache_memory_bytes=32 << 20, max_num_seqs=256)
     base = LLM(small_vocab_llama, **kwargs)
     config = ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
@@ -30,7 +31,7 @@ def test_sampled_tokens_follow_the_same_distribution(small_vocab_llama, method):
               if method == "ngram"
               else {"method": "draft_model", "model": small_vocab_llama, "num_speculative_tokens": 3,
                     "measure_gain": False})
-    spec = LLM(small_vocab_llama, speculative_config=config, **kwargs)
+    spec = LLM(small_vocab_llama, speculative_config=config, async_scheduling=async_scheduling, **kwargs)
     # The model's own greedy text, which it tends to loop in: proposals from it are often accepted.
     greedy = base.generate([{"prompt_token_ids": SEED_PROMPT}], SamplingParams(max_tokens=40, temperature=0.0,
                                                                                ignore_eos=True), use_tqdm=False)
