@@ -113,6 +113,12 @@ def test_draft_model_own_draft_accepts_every_guess_and_a_wrong_one_stays_exact(b
                   SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=[expected[0][9]])):
         assert tokens(own, REPEATING, short) == tokens(base, REPEATING, short)
     abort_mid_flight(own, steps_before=5)
+    block_bytes = base.llm_engine.engine_core.executor.driver.kv_bytes_per_block()
+    tight = make_async(small_vocab_llama, draft_spec(small_vocab_llama, k=4), block_size=8,
+                       kv_cache_memory_bytes=2 * block_bytes * 24)  # preempted rows rebuild their draft KV
+    assert tokens(tight, REPEATING * 4, params) == tokens(base, REPEATING * 4, params)
+    assert tight.llm_engine.engine_core.scheduler.num_preemptions > 0
+    assert_blocks_free(tight)
 
     for spec in (draft_spec(other_small_vocab_llama, k=2),  # a random draft: most guesses rejected
                  {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "measure_gain": False}):
