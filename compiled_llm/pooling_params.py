@@ -8,12 +8,13 @@ from typing import Any
 
 import msgspec
 
-POOLING_TASKS = ("embed", "encode")
+POOLING_TASKS = ("embed", "encode", "token_embed")
 
 
 class PoolingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # "embed": normalised as the pooler config says (and `dimensions` allowed); "encode": the pooled
-    # hidden state as it is, unless `normalize` asks.
+    # hidden state as it is, unless `normalize` asks; "token_embed": one embedding per prompt token
+    # (vLLM's per-token task), each normalised as an embedding is.
     task: str = "embed"
     # Matryoshka truncation: the first `dimensions` values, normalised again (embed models that allow it).
     dimensions: int | None = None

@@ -93,8 +93,10 @@ class Request:
 
     @property
     def skips_prefix_cache(self) -> bool:
-        """Prompt logprobs need every prompt position computed: cached blocks would skip some."""
-        return self.sampling_params.prompt_logprobs is not None
+        """Prompt logprobs and per-token embeddings need every prompt position computed: cached
+        blocks would skip some."""
+        return self.sampling_params.prompt_logprobs is not None or (
+            self.pooling_params is not None and self.pooling_params.task == "token_embed")
 
     @property
     def may_speculate(self) -> bool:

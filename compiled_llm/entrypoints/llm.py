@@ -93,14 +93,18 @@ class LLM:
         *,
         truncate_prompt_tokens: int | None = None,
         use_tqdm: bool = True,
+        pooling_task: str | None = None,
     ) -> list[PoolingRequestOutput]:
         """Pool each prompt's final hidden states (a model served with `runner="pooling"`): one
-        forward, no sampling. Default `PoolingParams(task="encode")`: the pooled vector as it is.
+        forward, no sampling. Default `PoolingParams(task="encode")`: the pooled vector as it is;
+        `pooling_task` ("encode", "embed", "token_embed": one embedding per token) sets the task.
         `truncate_prompt_tokens`: keep the last k tokens (-1: max_model_len)."""
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         if prompts and all(isinstance(t, int) for t in prompts):  # one prompt as token ids
             prompts = [prompts]  # type: ignore[list-item]
         params = pooling_params or PoolingParams(task="encode")
+        if pooling_task is not None:
+            params = params.clone(task=pooling_task)
         if truncate_prompt_tokens is not None:
             prompts = [self._truncated(prompt, truncate_prompt_tokens) for prompt in prompts]
         return self._run(prompts, [params] * len(prompts), use_tqdm, [0] * len(prompts))  # type: ignore[return-value]

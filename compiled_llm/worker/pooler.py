@@ -10,6 +10,10 @@ cached prefix is never the last token, which is always computed. A preempted req
 
 Per request, after pooling: `dimensions` keeps the first values (Matryoshka), then the vector is
 normalised if asked (an embedding by default, as the pooler config says).
+
+A `token_embed` request (vLLM's per-token task) pools nothing: it gets every prompt position's row,
+each normalised as an embedding, kept chunk by chunk until its prompt ends (the request skips the
+prefix cache, as prompt logprobs do, so that no position is missing).
 """
 
 from __future__ import annotations
@@ -41,20 +45,27 @@ class Pooler:
         self.params: dict[str, PoolingParams] = {}
         # MEAN: (sum of rows so far, in float32, and how many); CLS: (the first row, 1).
         self.partial: dict[str, tuple[torch.Tensor, int]] = {}
+        self.token_rows: dict[str, list[torch.Tensor]] = {}  # token_embed: the chunks' rows so far
 
     def add(self, req_id: str, params: PoolingParams | None) -> None:
         self.params[req_id] = params or PoolingParams()
         self.partial.pop(req_id, None)
+        self.token_rows.pop(req_id, None)
 
     def forget(self, req_id: str) -> None:
         """The request finished, was aborted or preempted (it starts over when it comes back)."""
         self.params.pop(req_id, None)
         self.partial.pop(req_id, None)
+        self.token_rows.pop(req_id, None)
 
     def pool(self, hidden: torch.Tensor, segments: list[PoolSegment]) -> dict[str, PooledTensor]:
         """The vectors of the requests whose prompt ends in this step (`hidden`: the step's flat rows)."""
         kind = self.config.pooling_type
         vectors: dict[str, torch.Tensor] = {}
+        per_token = [s for s in segments if self._task(s.req_id) == "token_embed"]
+        if per_token:
+            vectors = self._per_token(hidden, per_token)
+            segments = [s for s in segments if self._task(s.req_id) != "token_embed"]
         if kind == "LAST":
             done = [s for s in segments if s.done]
             if done:
@@ -74,12 +85,26 @@ class Pooler:
                     vectors[s.req_id] = total / count
         return {rid: self._finish(rid, vector) for rid, vector in vectors.items()}
 
+    def _task(self, req_id: str) -> str:
+        params = self.params.get(req_id)
+        return params.task if params is not None else "embed"
+
+    def _per_token(self, hidden: torch.Tensor, segments: list[PoolSegment]) -> dict[str, torch.Tensor]:
+        """token_embed: each segment's rows join its request's; a finished prompt gets them all."""
+        done: dict[str, torch.Tensor] = {}
+        for s in segments:
+            rows = self.token_rows.setdefault(s.req_id, [])
+            rows.append(hidden[s.offset : s.offset + s.num].float())
+            if s.done:
+                done[s.req_id] = torch.cat(self.token_rows.pop(s.req_id))
+        return done
+
     def _finish(self, req_id: str, vector: torch.Tensor) -> PooledTensor:
         params = self.params.get(req_id) or PoolingParams()
         if params.dimensions is not None:
             vector = vector[: params.dimensions]
         normalize = params.normalize if params.normalize is not None else (
-            self.config.normalize and params.task == "embed")
+            self.config.normalize and params.task in ("embed", "token_embed"))
         if normalize:
             vector = torch.nn.functional.normalize(vector, p=2, dim=-1)
         values = vector.cpu().numpy().astype("<f4", copy=False)

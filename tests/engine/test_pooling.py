@@ -22,17 +22,18 @@ def cosine(a, b) -> float:
     return float(torch.nn.functional.cosine_similarity(torch.as_tensor(a).float(), torch.as_tensor(b).float(), dim=0))
 
 
-def hf_pooled(folder: str, token_ids: list[list[int]], kind: str) -> list[torch.Tensor]:
-    """HF's final hidden states (after the last norm) of each prompt, pooled as `kind`."""
+def hf_hidden(folder: str, token_ids: list[list[int]]) -> list[torch.Tensor]:
+    """HF's final hidden states (after the last norm) of each prompt, [tokens, hidden]."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    out = []
     with torch.no_grad():
-        for ids in token_ids:
-            hidden = model.model(torch.tensor([ids])).last_hidden_state[0]
-            out.append({"LAST": hidden[-1], "MEAN": hidden.mean(0), "CLS": hidden[0]}[kind])
-    return out
+        return [model.model(torch.tensor([ids])).last_hidden_state[0] for ids in token_ids]
+
+
+def hf_pooled(folder: str, token_ids: list[list[int]], kind: str) -> list[torch.Tensor]:
+    """HF's final hidden states of each prompt, pooled as `kind`."""
+    return [{"LAST": h[-1], "MEAN": h.mean(0), "CLS": h[0]}[kind] for h in hf_hidden(folder, token_ids)]
 
 
 def assert_free(llm: LLM) -> None:
@@ -68,6 +69,23 @@ def test_tiny_model_matches_hf_chunked_batched_and_cached(tiny_llama, kind):
     torch.testing.assert_close(again.outputs.data, batched[-1].outputs.data, atol=1e-5, rtol=1e-5)
     assert_free(llm)
     assert_free(chunked)
+
+
+def test_token_embed_gives_every_token_its_embedding(tiny_llama):
+    """vLLM's per-token task: one normalised embedding per prompt token, equal to HF's final hidden
+    states, in 16-token chunks too; it never reads the prefix cache (a cached block's positions
+    would be missing), while the same engine's LAST embeddings still do."""
+    llm = LLM(tiny_llama, runner="pooling", max_num_batched_tokens=16, max_num_seqs=4, **TINY)
+    assert llm.llm_engine.config.cache_config.enable_prefix_caching
+    token_ids = [llm.get_tokenizer()(p)["input_ids"] for p in [TEXTS[0], LONG]]
+    llm.embed([{"prompt_token_ids": ids} for ids in token_ids], use_tqdm=False)  # fills the prefix cache
+    outs = llm.encode([{"prompt_token_ids": ids} for ids in token_ids], pooling_task="token_embed", use_tqdm=False)
+    for out, ids, ref in zip(outs, token_ids, hf_hidden(tiny_llama, token_ids)):
+        assert out.outputs.data.shape == (len(ids), 64) and out.num_cached_tokens == 0
+        torch.testing.assert_close(out.outputs.data, torch.nn.functional.normalize(ref, dim=-1), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="dimensions applies to embeddings"):
+        llm.encode(TEXTS[0], PoolingParams(task="token_embed", dimensions=8), use_tqdm=False)
+    assert_free(llm)
 
 
 def test_embed_score_truncation_and_errors(tiny_llama):
