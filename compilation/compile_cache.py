@@ -709,10 +709,11 @@ class CompileCache:
     def replace_file(self, rel: str, data: bytes) -> bool:
         """Write `data` as file `rel` of the entry and list it in the index (checksummed and signed
         like the compiled files), removing the other files of its folder (one file a folder: the
-        packed weights of the checkpoint last loaded). False, writing nothing, where the index on
+        packed weights of the checkpoint last loaded). The index is read again under the lock, so
+        what another start listed meanwhile stays listed. False, writing nothing, where the index on
         disk cannot be trusted: the next start that compiles sets the entry aside first."""
         assert self.writable, "the compile cache is written only under its lock"
-        if not self._index_loaded and self.load_index() is not None:
+        if self.load_index() is not None:
             return False
         self._wrote = True
         self.entry.mkdir(parents=True, exist_ok=True)

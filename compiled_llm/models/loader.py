@@ -7,7 +7,7 @@ second copy of the whole model.
 from __future__ import annotations
 
 import json
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
@@ -181,19 +181,18 @@ def build_model(config: ModelConfig, device: torch.device, cpu_kernels: bool = F
         raise ValueError(f"Unknown load_format {load_format!r}; use auto or dummy.")
     packed = None
     if packed_cache is not None and cpu_kernels:  # packing is slow only for the C++ kernels' layouts
-        packed = PackedWeights(packed_cache, config, checkpoint_paths(config.model))
-    with packed_cache.opened(require_cache_hit) if packed is not None else nullcontext():
-        restored = packed.restore(model) if packed is not None else set()
-        done = restored_tensors(restored)
+        packed = PackedWeights(packed_cache, config, checkpoint_paths(config.model), require_cache_hit)
+    restored = packed.restore(model) if packed is not None else set()
+    done = restored_tensors(restored)
 
-        def needed(name: str) -> bool:
-            return checkpoint_target(model, name)[0] not in done
+    def needed(name: str) -> bool:
+        return checkpoint_target(model, name)[0] not in done
 
-        load_weights(model, iterate_gguf(config.model, config.hf_config, needed) if is_gguf(config.model)
-                     else iterate_checkpoint(Path(config.model)), restored)
-        process_weights_after_loading(model, restored)
-        if packed is not None and not restored:
-            packed.save(model)
+    load_weights(model, iterate_gguf(config.model, config.hf_config, needed) if is_gguf(config.model)
+                 else iterate_checkpoint(Path(config.model)), restored)
+    process_weights_after_loading(model, restored)
+    if packed is not None and not restored:
+        packed.save(model)
     return model.eval()
 
 

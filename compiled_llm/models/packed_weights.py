@@ -51,16 +51,23 @@ def packed_layers(model: nn.Module) -> dict[str, nn.Module]:
 
 
 class PackedWeights:
-    """The packed-weights file of one checkpoint in one compile cache entry (held `opened`)."""
+    """The packed-weights file of one checkpoint in one compile cache entry. The entry is held (its
+    lock) only to read or write the file; a start that can neither (no entry yet, or nothing
+    packed to keep) leaves no trace. `require_cache_hit`: a strict start, which creates no entry."""
 
-    def __init__(self, cache: CompileCache, config: ModelConfig, checkpoint_files: list[Path]) -> None:
+    def __init__(self, cache: CompileCache, config: ModelConfig, checkpoint_files: list[Path],
+                 require_cache_hit: bool = False) -> None:
         self.cache = cache
         self.rel = f"{WEIGHTS_DIR}/{checkpoint_identity(config, checkpoint_files)}.safetensors"
+        self.require_cache_hit = require_cache_hit
 
     def restore(self, model: nn.Module) -> set[str]:
         """Put the stored packed state into the model's layers; the names of the layers restored
         (none where the entry holds no file for this checkpoint, or one it cannot vouch for)."""
-        data = self.cache.read_verified(self.rel)
+        if not self.cache.entry.is_dir():
+            return set()
+        with self.cache.opened(self.require_cache_hit):
+            data = self.cache.read_verified(self.rel)
         if data is None:
             return set()
         tensors = load_safetensors(data)
@@ -78,12 +85,11 @@ class PackedWeights:
             prefix = name + "."
             state = {**ints, **{key[len(prefix):]: t for key, t in tensors.items() if key.startswith(prefix)}}
             layers[name].quant_method.restore_packed(layers[name], state)
+        logger.info("Packed weights of %d layers taken from the compile cache (%s).", len(states), self.rel)
         return set(states)
 
     def save(self, model: nn.Module) -> None:
         """Store the packed state of every layer that has one (where the entry may be written)."""
-        if not self.cache.writable:
-            return
         tensors: dict[str, torch.Tensor] = {}
         states: dict[str, dict[str, int]] = {}
         for name, layer in packed_layers(model).items():
@@ -92,9 +98,11 @@ class PackedWeights:
                 continue
             states[name] = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
             tensors.update({f"{name}.{k}": v.contiguous() for k, v in state.items() if isinstance(v, torch.Tensor)})
-        if states:
-            data = save_safetensors(tensors, metadata={"layers": json.dumps(states)})
-            if self.cache.replace_file(self.rel, data):
+        if not states:
+            return
+        data = save_safetensors(tensors, metadata={"layers": json.dumps(states)})
+        with self.cache.opened(self.require_cache_hit):
+            if self.cache.writable and self.cache.replace_file(self.rel, data):
                 logger.info("Packed weights of %d layers saved in the compile cache (%s, %.0f MB).", len(states),
                             self.rel, len(data) / 1e6)
 
