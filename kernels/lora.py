@@ -1,16 +1,17 @@
 """Batched LoRA: each token of a flat batch applies its own adapter's low-rank update, as Punica
 and S-LoRA do, in two products (shrink, then expand) indexed by a per-token slot.
 
-    shrink:  t = x @ A[slot]^T                      A: [L, S * R, K] -> t: [T, S * R]
-    expand:  out = y + scale[slot] * t_j @ B[slot]^T  B: [L, N, R], output slice j reads t's j-th R block
+    shrink:  t = x @ A[slot]^T                     A:  [L, S * R, K] -> t: [T, S * R]
+    expand:  out = y + scale[slot] * t_j @ Bt[slot]  Bt: [L, R, N], output slice j reads t's j-th R block
 
 `L` slots, `R` the largest rank (smaller adapters are zero-padded), `S` sub-projections of a fused
-layer (QKV: 3, gate-up: 2, others 1) with output sizes `slices`. A slot of -1 (the base model,
-padding) adds nothing. The ops `compiled_llm::lora_shrink` and `compiled_llm::lora_expand` are what
-the LoRA layers call: opaque to Dynamo, so a compiled piece calls them with the slot indices as an
-input and never depends on which adapters a batch holds. On a CPU they run the torch reference
-here (the C++ kernels, `compiled_llm_cpu::lora_*`, are called directly by layers that use the
-C++ kernels); on a GPU the Triton kernels (kernels/triton_lora.py).
+layer (QKV: 3, gate-up: 2, others 1) with output sizes `slices`. B is stored transposed, [R, N] a
+slot (written so when an adapter is loaded), so every path's expand runs along the outputs. A slot
+of -1 (the base model, padding) adds nothing. The ops `compiled_llm::lora_shrink` and
+`compiled_llm::lora_expand` are what the LoRA layers call: opaque to Dynamo, so a compiled piece
+calls them with the slot indices as an input and never depends on which adapters a batch holds. On a
+CPU they run the torch reference here (the C++ kernels, `compiled_llm_cpu::lora_*`, are called
+directly by layers that use the C++ kernels); on a GPU the Triton kernels (kernels/triton_lora.py).
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ def lora_expand_reference(
     y: torch.Tensor, t: torch.Tensor, lora_b: torch.Tensor, scalings: torch.Tensor, indices: torch.Tensor,
     slices: Sequence[int],
 ) -> torch.Tensor:
-    """`y` plus each token's `scale * t_j @ B[slot]^T` on output slice j; unchanged where the slot is negative."""
-    rank = lora_b.shape[2]
+    """`y` plus each token's `scale * t_j @ Bt[slot]` on output slice j; unchanged where the slot is negative."""
+    rank = lora_b.shape[1]
     idx = indices[: y.shape[0]]
     out = y.clone(memory_format=torch.contiguous_format)
     for slot in torch.unique(idx).tolist():
@@ -47,8 +48,8 @@ def lora_expand_reference(
         rows = idx == slot
         start = 0
         for j, size in enumerate(slices):
-            b = lora_b[slot, start : start + size]
-            delta = t[rows, j * rank : (j + 1) * rank].to(b.dtype) @ b.t() * scalings[slot].to(b.dtype)
+            bt = lora_b[slot, :, start : start + size]
+            delta = t[rows, j * rank : (j + 1) * rank].to(bt.dtype) @ bt * scalings[slot].to(bt.dtype)
             out[rows, start : start + size] += delta.to(out.dtype)
             start += size
     return out

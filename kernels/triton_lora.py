@@ -1,9 +1,10 @@
 """Triton kernels for batched LoRA on GPUs (the math and layouts: kernels/lora.py).
 
 One program per (token, block of outputs): it reads the token's slot and, for a slot >= 0, the
-adapter's rows it needs; a slot of -1 writes zeros (shrink) or copies `y` (expand). The grid
-depends on the token count only, never on the slots' values, so a CUDA graph captures it and
-replays it for any mix of adapters. Products accumulate in float32; outputs take the activations'
+adapter's rows it needs (B transposed, [R, N] a slot: a block of outputs reads R contiguous runs);
+a slot of -1 writes zeros (shrink) or copies `y` (expand). The grid depends on the token count
+only, never on the slots' values, so a CUDA graph captures it and replays it for any mix of
+adapters. Products accumulate in float32; outputs take the activations'
 dtype.
 """
 
@@ -47,9 +48,9 @@ def _expand_kernel(y_ptr, t_ptr, b_ptr, scale_ptr, idx_ptr, out_ptr, T, N, R, co
         rs = tl.arange(0, BLOCK_R)
         r_ok = rs < R
         t = tl.load(t_ptr + i * stride_tm + t_col0 + rs, mask=r_ok, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + slot * N * R + cols.to(tl.int64)[:, None] * R + rs[None, :],
-                    mask=c_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
-        acc += tl.load(scale_ptr + slot).to(tl.float32) * tl.sum(b * t[None, :], axis=1)
+        bt = tl.load(b_ptr + slot * R * N + rs.to(tl.int64)[:, None] * N + cols[None, :],
+                     mask=r_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+        acc += tl.load(scale_ptr + slot).to(tl.float32) * tl.sum(bt * t[:, None], axis=0)
     tl.store(out_ptr + i * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=c_ok)
 
 
@@ -73,7 +74,7 @@ def lora_expand(
     slices: Sequence[int],
 ) -> torch.Tensor:
     num_tokens, n = y.shape
-    rank = lora_b.shape[2]
+    rank = lora_b.shape[1]
     out = torch.empty_like(y, memory_format=torch.contiguous_format)
     if num_tokens == 0:
         return out

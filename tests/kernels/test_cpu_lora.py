@@ -1,7 +1,8 @@
 """The batched LoRA kernels on a CPU (kernels/csrc/cpu_lora.cpp, and the torch reference in
 kernels/lora.py that the generic op runs) against a float64 per-token loop: every token its own
 slot (or -1, no adapter), fused layers with up to three output slices, a slot-index buffer longer
-than the batch (the runner's is max_num_batched_tokens long), strided activations."""
+than the batch (the runner's is max_num_batched_tokens long), strided activations. B is given
+transposed, [slots, R, N], as the LoRA layers store it."""
 
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ def loop_shrink(x, a, idx):
     return t
 
 
-def loop_expand(y, t, b, scalings, idx, slices):
-    rank = b.shape[2]
+def loop_expand(y, t, bt, scalings, idx, slices):
+    rank = bt.shape[1]
     out = y.double().clone()
     for i in range(y.shape[0]):
         s = int(idx[i])
@@ -32,7 +33,7 @@ def loop_expand(y, t, b, scalings, idx, slices):
         start = 0
         for j, size in enumerate(slices):
             out[i, start : start + size] += float(scalings[s]) * (
-                b[s, start : start + size].double() @ t[i, j * rank : (j + 1) * rank].double())
+                t[i, j * rank : (j + 1) * rank].double() @ bt[s, :, start : start + size].double())
             start += size
     return out
 
@@ -50,7 +51,7 @@ def lora_case(draw):
     wide = torch.randn(tokens, k + (7 if strided else 0), generator=g)
     x = wide[:, 3 : 3 + k] if strided else wide
     a = torch.randn(slots, len(slices) * rank, k, generator=g)
-    b = torch.randn(slots, sum(slices), rank, generator=g)
+    b = torch.randn(slots, rank, sum(slices), generator=g)  # B transposed, as the layers store it
     scalings = torch.rand(slots, generator=g) * 2
     idx = torch.randint(-1, slots, (tokens + draw(st.integers(0, 5)),), generator=g)
     y = torch.randn(tokens, sum(slices), generator=g)
@@ -97,7 +98,7 @@ def test_the_generic_ops_trace_as_opaque_calls():
         t = torch.ops.compiled_llm.lora_shrink(x, a, idx)
         return torch.ops.compiled_llm.lora_expand(x @ x.new_ones(x.shape[1], 6), t, b, s, idx, [4, 2])
 
-    x, a, b = torch.randn(5, 8), torch.randn(2, 6, 8), torch.randn(2, 6, 3)
+    x, a, b = torch.randn(5, 8), torch.randn(2, 6, 8), torch.randn(2, 3, 6)
     s = torch.ones(2)
     compiled = torch.compile(f, backend=backend, fullgraph=True)
     for idx in (torch.tensor([0, 1, -1, 1, 0]), torch.tensor([-1, -1, 1, 0, 0])):
@@ -114,7 +115,7 @@ def test_cpp_kernels_on_a_prefill_sized_batch():
     g = torch.Generator().manual_seed(0)
     tokens, k, rank, slices = 300, 512, 16, [512, 128, 128]
     case = (torch.randn(tokens, k, generator=g), torch.randn(4, 3 * rank, k, generator=g),
-            torch.randn(4, sum(slices), rank, generator=g), torch.rand(4, generator=g),
+            torch.randn(4, rank, sum(slices), generator=g), torch.rand(4, generator=g),
             torch.randint(-1, 4, (tokens,), generator=g), torch.randn(tokens, sum(slices), generator=g), slices)
     ops = torch.ops.compiled_llm_cpu
     check(ops.lora_shrink, ops.lora_expand, case)

@@ -33,7 +33,7 @@ def check_half_precision() -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(9, 64, generator=g).bfloat16()
     a = torch.randn(3, 2 * 8, 64, generator=g).bfloat16()
-    b = torch.randn(3, 96, 8, generator=g).bfloat16()
+    b = torch.randn(3, 8, 96, generator=g).bfloat16()
     scalings = torch.tensor([0.5, 1.0, 2.0]).bfloat16()
     idx = torch.tensor([0, 1, 2, -1, 2, 1, 0, -1, 1])
     y = torch.randn(9, 96, generator=g).bfloat16()
@@ -68,7 +68,7 @@ def test_gpu_ops_match_the_torch_reference(dtype):
     for tokens in (1, 32, 700):
         x = torch.randn(tokens, 576, device="cuda", generator=g).to(dtype)
         a = (torch.randn(8, 48, 576, device="cuda", generator=g) * 0.05).to(dtype)
-        b = (torch.randn(8, 960, 16, device="cuda", generator=g) * 0.05).to(dtype)
+        b = (torch.randn(8, 16, 960, device="cuda", generator=g) * 0.05).to(dtype)
         scalings = torch.rand(8, device="cuda", generator=g).to(dtype)
         idx = torch.randint(-1, 8, (tokens,), device="cuda", generator=g)
         y = torch.randn(tokens, 960, device="cuda", generator=g).to(dtype)

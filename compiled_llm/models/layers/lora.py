@@ -2,17 +2,18 @@
 layer's output, built only when the engine has LoRA enabled.
 
 Every wrapped layer holds preallocated stacks, `lora_a` [max_loras, S * R, in] and `lora_b`
-[max_loras, out, R] (R = max_lora_rank, S sub-projections of a fused layer), and reads one shared
-per-token slot-index tensor and one per-slot scaling tensor. All are buffers, bound into the
-compiled graph like the weights: loading an adapter writes into a slot in place, so no shape, no
+[max_loras, R, out] (R = max_lora_rank, S sub-projections of a fused layer; B is transposed once,
+when an adapter is written into its slot, so the kernels' expand runs along the outputs), and reads
+one shared per-token slot-index tensor and one per-slot scaling tensor. All are buffers, bound into
+the compiled graph like the weights: loading an adapter writes into a slot in place, so no shape, no
 address and no compiled piece depends on which adapters a batch holds.
 
 Fused layers keep each sub-projection's adapter on its own slice of the output (q, k, v; gate, up):
-A's rows hold one R block per sub-projection, and `lora_expand` sends output slice j through
-block j. Under tensor parallelism the matrices split with their base layer: a column-parallel
-layer keeps B's rows for its output slice (A whole); a row-parallel layer keeps A's columns for
-its input slice, and the rank-R partial products are summed over the ranks before the expand
-(with B whole), after the base layer's own all-reduce.
+A's rows hold one R block per sub-projection, and `lora_expand` sends output slice j through block
+j. Under tensor parallelism the matrices split with their base layer: a column-parallel layer keeps
+B's rows (Bt's columns) for its output slice (A whole); a row-parallel layer keeps A's columns for
+its input slice, and the rank-R partial products are summed over the ranks before the expand (with B
+whole), after the base layer's own all-reduce.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class LoRALinear(nn.Module):
         device, dtype = indices.device, scalings.dtype
         self.register_buffer("lora_a", torch.zeros(max_loras, len(modules) * max_rank, base.in_features,
                                                    device=device, dtype=dtype), persistent=False)
-        self.register_buffer("lora_b", torch.zeros(max_loras, base.out_features, max_rank, device=device,
+        self.register_buffer("lora_b", torch.zeros(max_loras, max_rank, base.out_features, device=device,
                                                    dtype=dtype), persistent=False)
         self.register_buffer("lora_indices", indices, persistent=False)
         self.register_buffer("lora_scalings", scalings, persistent=False)
@@ -93,7 +94,7 @@ class LoRALinear(nn.Module):
                         f"B {tuple(parts[module][1].shape)} do not fit the model's projection "
                         f"({self.lora_a.shape[2]} inputs, {size} outputs on this rank)")
                 self.lora_a[slot, j * self.rank : j * self.rank + r] = a
-                self.lora_b[slot, start : start + size, :r] = b
+                self.lora_b[slot, :r, start : start + size] = b.t()
             start += size
 
     def clear_slot(self, slot: int) -> None:
