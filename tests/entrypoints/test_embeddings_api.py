@@ -166,6 +166,11 @@ def test_vllm_binary_encodings_activation_and_pooling_tasks(server):
     np.testing.assert_allclose(raw_vector / np.linalg.norm(raw_vector), floats[0], atol=1e-5)
     embedded = post(server, "/pooling", {"input": TEXTS[0], "task": "embed"}).json()["data"][0]["data"]
     np.testing.assert_allclose(embedded, floats[0], atol=1e-5)
+    # token_embed: a normalised vector per token; the last one is the (LAST-pooled) embedding.
+    per_token = np.array(post(server, "/pooling", {"input": TEXTS[0], "task": "token_embed"}).json()["data"][0]["data"])
+    assert per_token.shape[1] == 64 and per_token.shape[0] > 1
+    np.testing.assert_allclose(np.linalg.norm(per_token, axis=1), 1.0, atol=1e-5)
+    np.testing.assert_allclose(per_token[-1], floats[0], atol=1e-5)
     for task in ("classify", "token_classify", "plugin"):
         error = post(server, "/pooling", {"input": "x", "task": task}).json()["error"]
         assert error["type"] == "BadRequestError" and error["message"].startswith(f"Unsupported task: {task!r}")

@@ -102,7 +102,7 @@ class PoolingRequest(PoolingBaseRequest):
 class PoolingResponseData(OpenAIBaseModel):
     index: int
     object: Literal["pooling"] = "pooling"
-    data: list[float] | str
+    data: list[list[float]] | list[float] | str  # token_embed: a vector per token
 
 
 class PoolingResponse(OpenAIBaseModel):

@@ -33,9 +33,9 @@ from compiled_llm.entrypoints.score_utils import cosine_score, pair_up
 from compiled_llm.outputs import PoolingRequestOutput
 from compiled_llm.utils import random_uuid
 
-# /pooling's tasks here: `encode` (the pooled hidden state; the default) and `embed`. vLLM's
-# per-token tasks (token_embed, token_classify) and classify need a pooler this engine lacks.
-POOLING_ROUTE_TASKS = ("embed", "encode")
+# /pooling's tasks here: `encode` (the pooled hidden state; the default), `embed`, and `token_embed`
+# (an embedding per prompt token). vLLM's token_classify and classify need a head no model here has.
+POOLING_ROUTE_TASKS = ("embed", "encode", "token_embed")
 
 
 class OpenAIServingPooling(OpenAIServingPoolingBase):
