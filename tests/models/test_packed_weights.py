@@ -167,3 +167,12 @@ def test_a_config_json_leaving_a_field_to_transformers_is_read_by_autoconfig(tin
     (folder / "config.json").write_text(json.dumps(data))
     config = read_config(folder)
     assert isinstance(config, PretrainedConfig) and config.rms_norm_eps == 1e-6
+
+
+def test_16_bit_storage_is_taken_from_the_entry_too(tiny_llama, tmp_path):
+    config = ModelConfig.from_folder(tiny_llama, "float16", CPU)  # fp16 storage under float32 activations
+    assert config.quantization == "fp16_storage"
+    reference = load(config, None)
+    assert_same(load(config, tmp_path), reference)
+    assert len(packed_files(tmp_path)) == 1
+    assert_same(load(config, tmp_path), reference)  # restored: the packed copy, no float16 `weight` kept
