@@ -47,9 +47,9 @@ def _worker_main(model: str, conn: Connection) -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server's Ctrl-C is the server's to handle
-    from transformers import AutoTokenizer
+    from compiled_llm.engine.tokenizer import get_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer = get_tokenizer(model)
     used = _address_space_bytes()
     if used is not None:
         try:
