@@ -34,10 +34,11 @@ constexpr int64_t kPrefetch = 256;  // floats ahead along a row of A or Bt (1 KB
 constexpr int kTile = 4;  // tokens of one slot computed together (the switches below list 1..4)
 
 // fn(item) for item in [0, items), in contiguous runs of at least kMinWork multiply-adds each (about
-// 100 us): the products are small (a batch-32 decode step's are serial), and a pool wake-up or a
-// worker descheduled mid-chunk on a shared machine costs more than the work (measured: 2 threads
-// on a loaded 2-core machine ran batch-32 LoRA 3x slower than 1 with 64k-FMA chunks).
-constexpr int64_t kMinWork = 1 << 20;
+// 25 us): a pool wake-up or a worker descheduled mid-chunk on a shared machine costs more than
+// smaller work (measured: 2 threads on a loaded 2-core machine ran batch-32 LoRA 3x slower than 1
+// with 64k-FMA chunks), while at 1M a batch-32 step's products all ran on one thread: on a quiet
+// 2-core machine 256k took eight adapters' cost at batch 32 from 30% to 13% of the decode rate.
+constexpr int64_t kMinWork = 1 << 18;
 
 template <class F>
 void for_items(int64_t items, int64_t work_per_item, const F& fn) {
