@@ -77,6 +77,12 @@ def test_adapters_are_listed_and_served_as_hf_merges_them(server, adapters, tiny
 
 
 def test_adapters_load_and_unload_at_run_time(server, adapters):
+    """An adapter loaded, served and unloaded while another adapter's stream is open: the stream
+    ends with the text the same request gets unstreamed."""
+    body = dict(model="all", prompt=PROMPT_IDS[0], max_tokens=200, temperature=0, extra_body={"ignore_eos": True})
+    expected = client(server).completions.create(**body).choices[0].text
+    stream = iter(client(server).completions.create(**body, stream=True))
+    streamed = [next(stream).choices[0].text]  # the stream is open from here on
     r = post(server, "/v1/load_lora_adapter", {"lora_name": "qv", "lora_path": adapters["qv"][0]})
     assert r.status_code == 200, r.text
     assert greedy(server, "qv") == hf_greedy(adapters["qv"][1], PROMPT_IDS, MAX_TOKENS)[0].token_ids
@@ -85,6 +91,8 @@ def test_adapters_load_and_unload_at_run_time(server, adapters):
     with pytest.raises(openai.NotFoundError):
         greedy(server, "qv")
     assert post(server, "/v1/unload_lora_adapter", {"lora_name": "qv"}).status_code == 404
+    streamed += [chunk.choices[0].text for chunk in stream if chunk.choices]
+    assert "".join(streamed) == expected
 
 
 @pytest.mark.parametrize("body,words", [
