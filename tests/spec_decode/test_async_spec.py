@@ -16,6 +16,7 @@ from tests.spec_decode.test_ngram_e2e import (
     SPEC,
     abort_mid_flight,
     assert_blocks_free,
+    assert_cached_continuations_exact,
     make_llm,
     steps,
     tokens,
@@ -88,13 +89,7 @@ def test_preemption_and_prefix_caching(base, small_vocab_llama):
 
     cached = make_async(small_vocab_llama, SPEC, block_size=4)
     params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
-    expected = tokens(base, REPEATING, params)
-    assert tokens(cached, REPEATING, params) == expected
-    # Continuations hit the cached blocks: a cached block of rejected drafts would change them.
-    longer = [p + out[:37] for p, out in zip(REPEATING, expected)]
-    outs = cached.generate([{"prompt_token_ids": p} for p in longer], params, use_tqdm=False)
-    assert all(o.num_cached_tokens >= 32 for o in outs)
-    assert [list(o.outputs[0].token_ids) for o in outs] == tokens(base, longer, params)
+    assert_cached_continuations_exact(cached, base, params)
     assert_blocks_free(cached)
 
 

@@ -9,7 +9,15 @@ from __future__ import annotations
 import pytest
 
 from compiled_llm import LLM, SamplingParams
-from tests.spec_decode.test_ngram_e2e import REPEATING, abort_mid_flight, assert_blocks_free, make_llm, steps, tokens
+from tests.spec_decode.test_ngram_e2e import (
+    REPEATING,
+    abort_mid_flight,
+    assert_blocks_free,
+    assert_cached_continuations_exact,
+    make_llm,
+    steps,
+    tokens,
+)
 
 OTHERS = [[3, 9, 1, 14, 2], [7] * 9, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2]]
 
@@ -58,12 +66,7 @@ def test_preemption_prefix_caching_n_and_stops(base, small_vocab_llama, other_sm
     assert_blocks_free(tight)
 
     cached = make_llm(small_vocab_llama, draft_spec(other_small_vocab_llama), block_size=4)
-    expected = tokens(base, REPEATING, params)
-    assert tokens(cached, REPEATING, params) == expected
-    longer = [p + out[:37] for p, out in zip(REPEATING, expected)]
-    outs = cached.generate([{"prompt_token_ids": p} for p in longer], params, use_tqdm=False)
-    assert all(o.num_cached_tokens >= 32 for o in outs)
-    assert [list(o.outputs[0].token_ids) for o in outs] == tokens(base, longer, params)
+    expected = assert_cached_continuations_exact(cached, base, params)
 
     for params in (SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True, n=3),
                    SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=[expected[0][9]]),

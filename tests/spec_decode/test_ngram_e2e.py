@@ -34,6 +34,19 @@ def assert_blocks_free(llm: LLM) -> None:
     assert pool.num_free_blocks == pool.num_blocks - 1, "blocks leaked"
 
 
+def assert_cached_continuations_exact(cached: LLM, base: LLM, params: SamplingParams) -> list[list[int]]:
+    """`cached` (4-token blocks) gives `base`'s greedy tokens, then continuations of its outputs hit
+    the cached blocks and still equal base's: a cached block of rejected drafts would change them.
+    Returns base's tokens for REPEATING."""
+    expected = tokens(base, REPEATING, params)
+    assert tokens(cached, REPEATING, params) == expected
+    longer = [p + out[:37] for p, out in zip(REPEATING, expected)]
+    outs = cached.generate([{"prompt_token_ids": p} for p in longer], params, use_tqdm=False)
+    assert all(o.num_cached_tokens >= 32 for o in outs)
+    assert [list(o.outputs[0].token_ids) for o in outs] == tokens(base, longer, params)
+    return expected
+
+
 @pytest.fixture(scope="module")
 def pair(small_vocab_llama):
     """The small-vocabulary model without and with speculation."""
