@@ -37,7 +37,7 @@ constexpr int kTile = 4;  // tokens of one slot computed together (the switches 
 // 25 us): a pool wake-up or a worker descheduled mid-chunk on a shared machine costs more than
 // smaller work (measured: 2 threads on a loaded 2-core machine ran batch-32 LoRA 3x slower than 1
 // with 64k-FMA chunks), while at 1M a batch-32 step's products all ran on one thread: on a quiet
-// 2-core machine 256k took eight adapters' cost at batch 32 from 30% to 13% of the decode rate.
+// 2-core machine 256k took eight adapters' cost at batch 32 from 30% to 13-24% (median 17%, 3 runs).
 constexpr int64_t kMinWork = 1 << 18;
 
 template <class F>
