@@ -17,9 +17,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# Source folders and the import name each is installed under (pyproject.toml's package-dir).
-SOURCE_ROOTS = {ROOT / "compiled_llm": "compiled_llm", ROOT / "compilation": "compiled_llm.compilation",
-                ROOT / "kernels": "compiled_llm.kernels"}
+# Source folders and the import name each is installed under.
+SOURCE_ROOTS = {ROOT / "compiled_llm": "compiled_llm"}
 
 # What any layer may use: the logger and small utilities.
 FOUNDATION = frozenset({"logger", "utils"})

@@ -13,7 +13,8 @@ REPO = Path(__file__).resolve().parents[2]
 def test_the_key_hashes_the_graph_building_code_and_not_the_server():
     files = {p.resolve().relative_to(REPO).as_posix() for p in package_sources()}
     for shaping in ("compiled_llm/models/llama.py", "compiled_llm/models/layers/attention.py",
-                    "compilation/backend.py", "compilation/partition.py", "kernels/cpu_attention.py",
+                    "compiled_llm/compilation/backend.py", "compiled_llm/compilation/partition.py",
+                    "compiled_llm/kernels/cpu_attention.py",
                     "compiled_llm/quantization/int8.py", "compiled_llm/worker/model_runner.py",
                     "compiled_llm/worker/step_inputs.py", "compiled_llm/distributed/communication.py",
                     "compiled_llm/config.py"):

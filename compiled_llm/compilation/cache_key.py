@@ -51,9 +51,8 @@ GRAPH_PACKAGES = ("compiled_llm.models", "compiled_llm.quantization", "compiled_
 
 
 def source_tree() -> SourceTree:
-    """compiled_llm's module names -> files (compilation/ and kernels/ are installed inside it)."""
-    return SourceTree({name: Path(importlib.import_module(name).__file__).parent
-                       for name in ("compiled_llm", "compiled_llm.compilation", "compiled_llm.kernels")})
+    """compiled_llm's module names -> files."""
+    return SourceTree({"compiled_llm": Path(importlib.import_module("compiled_llm").__file__).parent})
 
 
 def package_sources() -> list[Path]:

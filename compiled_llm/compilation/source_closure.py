@@ -58,8 +58,7 @@ def _module_names(text: str, package: str) -> set[str]:
 
 
 class SourceTree:
-    """Maps module names to files for packages whose folders may lie anywhere (this project installs
-    `compilation/` and `kernels/` under the `compiled_llm` name)."""
+    """Maps module names to files for packages whose folders may lie anywhere."""
 
     def __init__(self, packages: dict[str, Path]) -> None:
         # Longest name first, so that `compiled_llm.compilation` wins over `compiled_llm`.
