@@ -24,6 +24,7 @@ from compiled_llm.config import (
     CONVERTS,
     EXECUTOR_BACKENDS,
     GGUF,
+    LORA_DTYPES,
     QUANTIZATION_NAMES,
     RUNNERS,
     SCHEDULING_POLICIES,
@@ -251,6 +252,9 @@ class EngineArgs(CliArgs):
                              group="lora")
     max_lora_rank: int = setting(LoRAConfig.max_lora_rank, "Highest adapter rank served.", group="lora")
     max_cpu_loras: int | None = setting(None, "Adapters kept in host memory (default: max_loras).", group="lora")
+    lora_dtype: str = setting(LoRAConfig.lora_dtype, "The adapters' dtype in their slots. auto: float16 where the C++ "
+                              "CPU kernels apply them (float32 activations on a CPU: half the bytes to read), else the "
+                              "activations' dtype.", group="lora", choices=list(LORA_DTYPES))
 
     def create_engine_config(self) -> EngineConfig:
         import torch
@@ -318,8 +322,8 @@ class EngineArgs(CliArgs):
                 self.tensor_parallel_size, self.data_parallel_size, self.distributed_executor_backend
             ),
             speculative_config=speculative_config,
-            lora_config=(LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora
-                         else None),
+            lora_config=(LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras, self.lora_dtype)
+                         if self.enable_lora else None),
         )
 
     def _draft_model_config(self, spec: SpeculativeConfig, target: ModelConfig, device: torch.device) -> ModelConfig:

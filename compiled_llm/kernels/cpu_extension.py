@@ -51,6 +51,10 @@ def _register_fakes() -> None:
     def _silu_and_mul_packed_linear_fake(x, packed, bias, out_features):
         return x.new_empty(*x.shape[:-1], out_features)
 
+    @torch.library.register_fake("compiled_llm_cpu::silu_and_mul_packed_linear_act")
+    def _silu_and_mul_packed_linear_act_fake(x, packed, bias, out_features):
+        return x.new_empty(*x.shape[:-1], out_features), x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+
     @torch.library.register_fake("compiled_llm_cpu::pack_quantized_weight")
     def _pack_quantized_weight_fake(q, scales, mins, bits, group_size, panel):
         width = panel if panel > 0 else torch.ops.compiled_llm_cpu.native_panel_width()
@@ -78,9 +82,9 @@ def _register_fakes() -> None:
     def _lora_shrink_fake(x, lora_a, indices):
         return x.new_empty(x.shape[0], lora_a.shape[1])
 
-    @torch.library.register_fake("compiled_llm_cpu::lora_expand")
+    @torch.library.register_fake("compiled_llm_cpu::lora_expand_")
     def _lora_expand_fake(y, t, lora_b, scalings, indices, slices):
-        return torch.empty_like(y, memory_format=torch.contiguous_format)
+        return None
 
 
 @lru_cache(maxsize=1)

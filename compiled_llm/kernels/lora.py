@@ -10,8 +10,10 @@ slot (written so when an adapter is loaded), so every path's expand runs along t
 of -1 (the base model, padding) adds nothing. The ops `compiled_llm::lora_shrink` and
 `compiled_llm::lora_expand` are what the LoRA layers call: opaque to Dynamo, so a compiled piece
 calls them with the slot indices as an input and never depends on which adapters a batch holds. On a
-CPU they run the torch reference here (the C++ kernels, `compiled_llm_cpu::lora_*`, are called
-directly by layers that use the C++ kernels); on a GPU the Triton kernels (kernels/triton_lora.py).
+CPU they run the torch reference here (the C++ kernels, `compiled_llm_cpu::lora_shrink` and the
+in-place `compiled_llm_cpu::lora_expand_`, are called directly by layers that use the C++ kernels);
+on a GPU the Triton kernels (kernels/triton_lora.py). The stacks may be of another dtype than the
+activations (float16 under float32 activations): they are converted to the activations' dtype.
 """
 
 from __future__ import annotations
@@ -48,8 +50,8 @@ def lora_expand_reference(
         rows = idx == slot
         start = 0
         for j, size in enumerate(slices):
-            bt = lora_b[slot, :, start : start + size]
-            delta = t[rows, j * rank : (j + 1) * rank].to(bt.dtype) @ bt * scalings[slot].to(bt.dtype)
+            bt = lora_b[slot, :, start : start + size].to(t.dtype)
+            delta = t[rows, j * rank : (j + 1) * rank] @ bt * scalings[slot].to(t.dtype)
             out[rows, start : start + size] += delta.to(out.dtype)
             start += size
     return out

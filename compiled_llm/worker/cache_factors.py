@@ -36,7 +36,8 @@ def engine_cache_factors(config: EngineConfig, rank: int, role: str | None = Non
         factors["quantization"] = quant_config.cache_factors()
     if config.lora_config is not None and role is None:  # the slots' shapes; adapters are data, not code
         factors["lora"] = {"max_loras": config.lora_config.max_loras,
-                           "max_lora_rank": config.lora_config.max_lora_rank}
+                           "max_lora_rank": config.lora_config.max_lora_rank,
+                           "lora_dtype": config.lora_config.lora_dtype}
     if role is not None:
         factors["role"] = role
     return factors

@@ -32,7 +32,7 @@ from compiled_llm.lora.manager import LoRAManager
 from compiled_llm.messages.runner_output import LogprobsLists, ModelRunnerOutput
 from compiled_llm.messages.scheduler_output import SchedulerOutput
 from compiled_llm.models.layers.attention import Attention
-from compiled_llm.models.layers.lora import install_lora
+from compiled_llm.models.layers.lora import install_lora, lora_stack_dtype
 from compiled_llm.models.loader import build_model
 from compiled_llm.utils import cdiv
 from compiled_llm.worker import kv_cache_sizing
@@ -94,7 +94,8 @@ class ModelRunner:
         if config.lora_config is not None:
             lc = config.lora_config
             layers, scalings = install_lora(self.model, lc.max_loras, lc.max_lora_rank, self.inputs.lora_indices.gpu,
-                                            mc.dtype, cpu_kernels)
+                                            mc.dtype, lora_stack_dtype(lc.lora_dtype, mc.dtype, cpu_kernels),
+                                            cpu_kernels)
             self.lora = LoRAManager(layers, scalings, lc.max_loras, lc.max_lora_rank, lc.max_cpu_loras, mc.hf_config)
             self.lora_rows = np.zeros(rows, dtype=np.int64)  # each row's adapter id (0: the base model)
         self.sampler = Sampler()

@@ -1,8 +1,9 @@
 """The batched LoRA kernels on a CPU (kernels/csrc/cpu_lora.cpp, and the torch reference in
 kernels/lora.py that the generic op runs) against a float64 per-token loop: every token its own
 slot (or -1, no adapter), fused layers with up to three output slices, a slot-index buffer longer
-than the batch (the runner's is max_num_batched_tokens long), strided activations. B is given
-transposed, [slots, R, N], as the LoRA layers store it."""
+than the batch (the runner's is max_num_batched_tokens long), strided activations, float32 and
+float16 stacks. B is given transposed, [slots, R, N], as the LoRA layers store it. The C++ expand
+adds into y in place."""
 
 from __future__ import annotations
 
@@ -47,15 +48,23 @@ def lora_case(draw):
     slots = draw(st.integers(1, 4))
     seed = draw(st.integers(0, 2**16))
     strided = draw(st.booleans())
+    stack_dtype = draw(st.sampled_from([torch.float32, torch.float16]))
     g = torch.Generator().manual_seed(seed)
     wide = torch.randn(tokens, k + (7 if strided else 0), generator=g)
     x = wide[:, 3 : 3 + k] if strided else wide
-    a = torch.randn(slots, len(slices) * rank, k, generator=g)
-    b = torch.randn(slots, rank, sum(slices), generator=g)  # B transposed, as the layers store it
+    a = torch.randn(slots, len(slices) * rank, k, generator=g).to(stack_dtype)
+    b = torch.randn(slots, rank, sum(slices), generator=g).to(stack_dtype)  # B transposed, as the layers store it
     scalings = torch.rand(slots, generator=g) * 2
     idx = torch.randint(-1, slots, (tokens + draw(st.integers(0, 5)),), generator=g)
     y = torch.randn(tokens, sum(slices), generator=g)
     return x, a, b, scalings, idx, y, slices
+
+
+def cpp_expand(y, t, b, scalings, idx, slices):
+    """The C++ expand adds into y in place: on a copy, so the case's y stays the reference."""
+    out = y.clone()
+    torch.ops.compiled_llm_cpu.lora_expand_(out, t, b, scalings, idx, slices)
+    return out
 
 
 def check(shrink, expand, case) -> None:
@@ -73,8 +82,7 @@ def check(shrink, expand, case) -> None:
 def test_cpp_kernels_match_float64(case):
     if not cpu_kernels_available():
         pytest.skip("C++ CPU kernels not built")
-    ops = torch.ops.compiled_llm_cpu
-    check(ops.lora_shrink, ops.lora_expand, case)
+    check(torch.ops.compiled_llm_cpu.lora_shrink, cpp_expand, case)
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -117,5 +125,28 @@ def test_cpp_kernels_on_a_prefill_sized_batch():
     case = (torch.randn(tokens, k, generator=g), torch.randn(4, 3 * rank, k, generator=g),
             torch.randn(4, rank, sum(slices), generator=g), torch.rand(4, generator=g),
             torch.randint(-1, 4, (tokens,), generator=g), torch.randn(tokens, sum(slices), generator=g), slices)
+    check(torch.ops.compiled_llm_cpu.lora_shrink, cpp_expand, case)
+    half = (*case[:1], case[1].half(), case[2].half(), *case[3:])
+    check(torch.ops.compiled_llm_cpu.lora_shrink, cpp_expand, half)
+
+
+def test_cpp_expand_in_a_compiled_graph_adds_in_place():
+    """Inductor keeps the in-place expand on the base output (no copy of y), and the result is the
+    functional reference's."""
+    if not cpu_kernels_available():
+        pytest.skip("C++ CPU kernels not built")
     ops = torch.ops.compiled_llm_cpu
-    check(ops.lora_shrink, ops.lora_expand, case)
+
+    def f(x, w, a, b, s, idx):
+        y = x @ w
+        t = ops.lora_shrink(x, a, idx)
+        ops.lora_expand_(y, t, b, s, idx, [4, 2])
+        return torch.relu(y)
+
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(5, 8, generator=g), torch.randn(8, 6, generator=g)
+    a, b = torch.randn(2, 6, 8, generator=g).half(), torch.randn(2, 3, 6, generator=g).half()
+    s, idx = torch.tensor([0.5, 2.0]), torch.tensor([0, 1, -1, 1, 0])
+    expected = torch.relu(lora_expand_reference(x @ w, lora_shrink_reference(x, a, idx), b, s, idx, [4, 2]))
+    compiled = torch.compile(f, backend="inductor", fullgraph=True)
+    torch.testing.assert_close(compiled(x, w, a, b, s, idx), expected, rtol=1e-5, atol=1e-5)

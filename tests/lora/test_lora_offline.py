@@ -177,3 +177,19 @@ def test_a_warm_start_serves_other_adapters_without_compiling(llm, adapters, tin
     request = adapters["mlp"][0]
     assert tokens(warm.generate(PROMPTS, GREEDY, lora_request=request, use_tqdm=False)) == \
         tokens(llm.generate(PROMPTS, GREEDY, lora_request=request, use_tqdm=False))
+
+
+def test_lora_dtype_picks_the_slots_dtype_and_refuses_others():
+    """auto: float16 slots under the C++ CPU kernels (float32 activations), else the activations'
+    dtype (vLLM's auto); an explicit dtype is kept; anything else is refused by name."""
+    import torch
+
+    from compiled_llm.config import LoRAConfig
+    from compiled_llm.models.layers.lora import lora_stack_dtype
+
+    assert lora_stack_dtype("auto", torch.float32, cpu_kernels=True) == torch.float16
+    assert lora_stack_dtype("auto", torch.float32, cpu_kernels=False) == torch.float32
+    assert lora_stack_dtype("auto", torch.bfloat16, cpu_kernels=False) == torch.bfloat16
+    assert lora_stack_dtype("float32", torch.float32, cpu_kernels=True) == torch.float32
+    with pytest.raises(ValueError, match="lora_dtype must be one of"):
+        LoRAConfig(lora_dtype="int8")

@@ -2,7 +2,8 @@
 layer's output, built only when the engine has LoRA enabled.
 
 Every wrapped layer holds preallocated stacks, `lora_a` [max_loras, S * R, in] and `lora_b`
-[max_loras, R, out] (R = max_lora_rank, S sub-projections of a fused layer; B is transposed once,
+[max_loras, R, out] (float16 under the C++ CPU kernels by default: `lora_stack_dtype`)
+(R = max_lora_rank, S sub-projections of a fused layer; B is transposed once,
 when an adapter is written into its slot, so the kernels' expand runs along the outputs), and reads
 one shared per-token slot-index tensor and one per-slot scaling tensor. All are buffers, bound into
 the compiled graph like the weights: loading an adapter writes into a slot in place, so no shape, no
@@ -42,27 +43,33 @@ class LoRALinear(nn.Module):
     """`base(x)` plus, for each token whose slot is >= 0, `scaling * x A^T B^T` of that slot."""
 
     def __init__(self, base: nn.Module, layer: int, modules: tuple[str, ...], max_loras: int, max_rank: int,
-                 indices: torch.Tensor, scalings: torch.Tensor, cpu_kernels: bool) -> None:
+                 indices: torch.Tensor, scalings: torch.Tensor, stack_dtype: torch.dtype, cpu_kernels: bool) -> None:
         super().__init__()
         self.base, self.layer, self.modules = base, layer, modules
         self.rank = max_rank
         self.row_parallel = isinstance(base, RowParallelLinear) and base.parallel
         self.slices = list(base.output_sizes) if len(modules) > 1 else [base.out_features]
-        device, dtype = indices.device, scalings.dtype
+        device, dtype = indices.device, stack_dtype
         self.register_buffer("lora_a", torch.zeros(max_loras, len(modules) * max_rank, base.in_features,
                                                    device=device, dtype=dtype), persistent=False)
         self.register_buffer("lora_b", torch.zeros(max_loras, max_rank, base.out_features, device=device,
                                                    dtype=dtype), persistent=False)
         self.register_buffer("lora_indices", indices, persistent=False)
         self.register_buffer("lora_scalings", scalings, persistent=False)
-        self._ops = torch.ops.compiled_llm_cpu if cpu_kernels else torch.ops.compiled_llm
+        # The C++ kernels take float32 activations with float32 or float16 stacks, and add into the
+        # base layer's output in place; anything else takes the generic ops.
+        self.cpu_kernels = cpu_kernels and scalings.dtype == torch.float32 and dtype in (torch.float32, torch.float16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        t = self._ops.lora_shrink(x, self.lora_a, self.lora_indices)
+        ops = torch.ops.compiled_llm_cpu if self.cpu_kernels else torch.ops.compiled_llm
+        t = ops.lora_shrink(x, self.lora_a, self.lora_indices)
         if self.row_parallel:  # each rank holds A's columns for its input slice
             t = all_reduce(t)
-        return self._ops.lora_expand(y, t, self.lora_b, self.lora_scalings, self.lora_indices, self.slices)
+        if self.cpu_kernels:
+            ops.lora_expand_(y, t, self.lora_b, self.lora_scalings, self.lora_indices, self.slices)
+            return y
+        return ops.lora_expand(y, t, self.lora_b, self.lora_scalings, self.lora_indices, self.slices)
 
     def _local(self, part: int, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's share of sub-projection `part`'s A [r, in] and B [out, r]."""
@@ -102,11 +109,20 @@ class LoRALinear(nn.Module):
         self.lora_b[slot].zero_()
 
 
+def lora_stack_dtype(lora_dtype: str, activations: torch.dtype, cpu_kernels: bool) -> torch.dtype:
+    """The slots' dtype for `LoRAConfig.lora_dtype` (config.py says why "auto" is float16 under the
+    C++ CPU kernels)."""
+    if lora_dtype == "auto":
+        return torch.float16 if cpu_kernels and activations == torch.float32 else activations
+    return getattr(torch, lora_dtype)
+
+
 def install_lora(model: nn.Module, max_loras: int, max_rank: int, indices: torch.Tensor, dtype: torch.dtype,
-                 cpu_kernels: bool) -> tuple[list[LoRALinear], torch.Tensor]:
+                 stack_dtype: torch.dtype, cpu_kernels: bool) -> tuple[list[LoRALinear], torch.Tensor]:
     """Wrap every attention and MLP projection of `model` (after its weights are loaded) in a
     `LoRALinear` reading the slot of each token from `indices` (the runner fills it every step).
-    `dtype`: the activations'. Returns the wrappers and the shared per-slot scaling tensor."""
+    `dtype`: the activations'; `stack_dtype`: the adapters' in their slots. Returns the wrappers and
+    the shared per-slot scaling tensor."""
     scalings = torch.zeros(max_loras, dtype=dtype, device=indices.device)
     wrapped = []
     for name, module in list(model.named_modules()):
@@ -117,7 +133,7 @@ def install_lora(model: nn.Module, max_loras: int, max_rank: int, indices: torch
         parent_name, _ = name.rsplit(".", 1)
         parent: Any = model.get_submodule(parent_name)
         lora = LoRALinear(module, int(match.group(1)), SUB_MODULES[leaf], max_loras, max_rank, indices, scalings,
-                          cpu_kernels)
+                          stack_dtype, cpu_kernels)
         setattr(parent, leaf, lora)
         wrapped.append(lora)
     return wrapped, scalings
