@@ -111,6 +111,37 @@ def test_silu_mul_folds_only_into_a_packed_projection_it_alone_feeds():
     torch.testing.assert_close(dense, F.linear(shared, w))
 
 
+def test_silu_mul_folds_into_a_packed_projection_whose_lora_shrink_reads_the_product():
+    """With LoRA the down projection's adapter shrink reads the gated product too: the fused op then
+    returns it, and the shrink reads that; any other reader keeps the gate unfused."""
+    ops = torch.ops.compiled_llm_cpu
+
+    class LoRAMLP(torch.nn.Module):
+        def forward(self, x, packed, a, idx):
+            h = torch.ops.compiled_llm.silu_and_mul(x)
+            return ops.packed_linear(h, packed, None, 4), ops.lora_shrink(h, a, idx)
+
+    class OtherReader(torch.nn.Module):
+        def forward(self, x, packed, a, idx):
+            h = torch.ops.compiled_llm.silu_and_mul(x)
+            return ops.packed_linear(h, packed, None, 4), ops.lora_shrink(h, a, idx), h.sum()
+
+    x, w = torch.randn(3, 10), torch.randn(4, 5)
+    a, idx = torch.randn(2, 6, 5), torch.tensor([1, -1, 0])
+    packed = ops.pack_linear_weight(w, 0)
+    gm = fx.symbolic_trace(LoRAMLP())
+    assert SiluMulLinearFusion()(gm.graph) == 1
+    gm.recompile()
+    assert ops_in(gm).count("compiled_llm_cpu::silu_and_mul_packed_linear_act") == 1
+    assert "compiled_llm::silu_and_mul" not in ops_in(gm)
+    y, t = gm(x, packed, a, idx)
+    y_ref, t_ref = LoRAMLP()(x, packed, a, idx)
+    torch.testing.assert_close(y, y_ref)
+    torch.testing.assert_close(t, t_ref)
+    other = fx.symbolic_trace(OtherReader())
+    assert SiluMulLinearFusion()(other.graph) == 0
+
+
 def test_passes_are_configured_checked_and_part_of_the_cache_key(tiny_llama):
     assert EngineArgs(compile_passes=None).create_engine_config().compilation_config.passes == list(DEFAULT_PASSES)
     parser = EngineArgs.add_cli_args(__import__("argparse").ArgumentParser())

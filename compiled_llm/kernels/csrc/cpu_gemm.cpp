@@ -230,8 +230,11 @@ void silu_and_mul_rows(const float* x, int64_t x_stride, int64_t M, int64_t I, f
   }
 }
 
-at::Tensor silu_and_mul_packed_linear(const at::Tensor& x, const at::Tensor& packed,
-                                      const c10::optional<at::Tensor>& bias, int64_t out_features) {
+// (y, act): the product of the gate and up halves as well, for a LoRA adapter's shrink on the down
+// projection, which reads the projection's input.
+std::tuple<at::Tensor, at::Tensor> silu_and_mul_packed_linear_act(const at::Tensor& x, const at::Tensor& packed,
+                                                                  const c10::optional<at::Tensor>& bias,
+                                                                  int64_t out_features) {
   const int64_t I = x.size(-1) / 2;
   TORCH_CHECK(x.size(-1) == 2 * I, "x must hold gate and up halves, got ", x.size(-1), " features");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be float32");
@@ -242,7 +245,13 @@ at::Tensor silu_and_mul_packed_linear(const at::Tensor& x, const at::Tensor& pac
   at::Tensor act = at::empty({x2.size(0), I}, x.options());
   using V = std::conditional_t<kNativeLanes == 16, v16, v8>;
   silu_and_mul_rows<V>(x2.data_ptr<float>(), x2.stride(0), x2.size(0), I, act.data_ptr<float>());
-  return packed_linear(act.view(sizes), packed, bias, out_features);
+  at::Tensor act_view = act.view(sizes);
+  return {packed_linear(act_view, packed, bias, out_features), act_view};
+}
+
+at::Tensor silu_and_mul_packed_linear(const at::Tensor& x, const at::Tensor& packed,
+                                      const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  return std::get<0>(silu_and_mul_packed_linear_act(x, packed, bias, out_features));
 }
 
 int64_t native_panel_width() { return kNativePanel; }
@@ -253,6 +262,7 @@ TORCH_LIBRARY_FRAGMENT(compiled_llm_cpu, m) {
   m.def("pack_linear_weight(Tensor weight, int panel=0) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.def("silu_and_mul_packed_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+  m.def("silu_and_mul_packed_linear_act(Tensor x, Tensor packed, Tensor? bias, int out_features) -> (Tensor, Tensor)");
   m.def("native_panel_width() -> int");
 }
 
@@ -260,6 +270,7 @@ TORCH_LIBRARY_IMPL(compiled_llm_cpu, CPU, m) {
   m.impl("pack_linear_weight", pack_linear_weight);
   m.impl("packed_linear", packed_linear);
   m.impl("silu_and_mul_packed_linear", silu_and_mul_packed_linear);
+  m.impl("silu_and_mul_packed_linear_act", silu_and_mul_packed_linear_act);
 }
 
 TORCH_LIBRARY_IMPL(compiled_llm_cpu, CompositeExplicitAutograd, m) {
