@@ -62,17 +62,7 @@ void for_items(int64_t items, int64_t work_per_item, const F& fn) {
   });
 }
 
-// A stack's elements: float32, or fp16 (its bits).
-using Fp16Bits = uint16_t;
-
-template <typename S>
-inline V load_w(const S* p) {
-  if constexpr (std::is_same_v<S, float>)
-    return load<V>(p);
-  else
-    return Fp16::load<V>(p);
-}
-
+// One element of a float32 or fp16 stack, for the tails the vectors leave.
 template <typename S>
 inline float scalar_w(const S* p) {
   if constexpr (std::is_same_v<S, float>)
@@ -117,7 +107,7 @@ void shrink_rows(const float* const* x, const S* a, int64_t r0, int64_t K, float
   int64_t k = 0;
   auto step = [&](int64_t k) {
     V av[NR];
-    for (int n = 0; n < NR; n++) av[n] = load_w(ar + n * K + k);
+    for (int n = 0; n < NR; n++) av[n] = load_widened<V>(ar + n * K + k);
     for (int g = 0; g < G; g++) {
       const V xv = load<V>(x[g] + k);
       for (int n = 0; n < NR; n++) acc[n][g] += av[n] * xv;
@@ -160,7 +150,7 @@ int64_t expand_vectors(float* const* y, const float* const* t, const S* b, int64
       // 8 adapters' matrices come from memory (gate-up's expand, 30 layers: 6.0 -> 4.3 ms with it).
       for (int w = 0; w < W * kLanes; w += 64 / sizeof(float)) __builtin_prefetch(b + r * N + o + w + kPrefetch);
       V bv[W];
-      for (int w = 0; w < W; w++) bv[w] = load_w(b + r * N + o + w * kLanes);
+      for (int w = 0; w < W; w++) bv[w] = load_widened<V>(b + r * N + o + w * kLanes);
       for (int g = 0; g < G; g++) {
         const V tv = splat<V>(t[g][r]);
         for (int w = 0; w < W; w++) acc[g][w] += tv * bv[w];

@@ -60,17 +60,6 @@ constexpr int64_t kNativePanel = 2 * kNativeLanes;
 // items for every thread.
 constexpr int64_t kItemBytes = 32 * 1024;
 
-// Scales and mins in the packed layout: float32, or fp16 (its bits; converted in registers).
-using Fp16Bits = uint16_t;
-
-template <typename S, typename V>
-inline V load_scales(const S* p) {
-  if constexpr (std::is_same_v<S, float>)
-    return load<V>(p);
-  else
-    return Fp16::load<V>(p);
-}
-
 // Bytes of one group's block in a panel of NR features: the scales (and mins), `scale_size` bytes
 // each, then the q values of its `length` inputs; and of a whole panel.
 constexpr int64_t scale_bytes(int64_t NR, int64_t bits, int64_t scale_size) { return NR * scale_size * (bits == 4 ? 2 : 1); }
@@ -165,7 +154,7 @@ void few_rows_kernel(const float* __restrict x, int64_t xs, const float* __restr
     }
     const S* scale = reinterpret_cast<const S*>(blk);
     for (int j = 0; j < NV; j++) {
-      const V s = load_scales<S, V>(scale + j * L);
+      const V s = load_widened<V>(scale + j * L);
       for (int m = 0; m < MR; m++) {
         V sum = acc[0][m][j];
         for (int u = 1; u < KU; u++) sum += acc[u][m][j];
@@ -175,7 +164,7 @@ void few_rows_kernel(const float* __restrict x, int64_t xs, const float* __restr
     if constexpr (Bits == 4) {
       const S* mins = scale + NR;
       for (int j = 0; j < NV; j++) {
-        const V mn = load_scales<S, V>(mins + j * L);
+        const V mn = load_widened<V>(mins + j * L);
         for (int m = 0; m < MR; m++) total[m][j] += mn * splat<V>(xsum[m * groups + g]);
       }
     }
@@ -204,8 +193,8 @@ void many_rows_kernel(const float* __restrict x, int64_t xs, const uint8_t* __re
     const int64_t length = std::min(G, K - g * G);
     V s[NV], mn[NV];
     for (int j = 0; j < NV; j++) {
-      s[j] = load_scales<S, V>(scale + j * L);
-      mn[j] = Bits == 4 ? load_scales<S, V>(scale + NR + j * L) : V{};
+      s[j] = load_widened<V>(scale + j * L);
+      mn[j] = Bits == 4 ? load_widened<V>(scale + NR + j * L) : V{};
     }
     for (int64_t k = 0; k < length; k++) {
       V w[NV];

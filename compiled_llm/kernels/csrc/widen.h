@@ -9,6 +9,8 @@
 
 #pragma once
 
+#include <type_traits>
+
 #include <cstdint>
 
 #include "vec.h"
@@ -156,6 +158,18 @@ inline v16 Fp16::load<v16>(const uint16_t* p) {
 #else
   return fp16_to_float_portable<v16>(p);
 #endif
+}
+
+// Values stored as float32 or as fp16 (their bits), as a float vector: quantized weights' scales
+// and LoRA adapters' matrices are kept in either.
+using Fp16Bits = uint16_t;
+
+template <typename V, typename S>
+inline V load_widened(const S* p) {
+  if constexpr (std::is_same_v<S, float>)
+    return load<V>(p);
+  else
+    return Fp16::load<V>(p);
 }
 
 }  // namespace compiled_llm_cpu

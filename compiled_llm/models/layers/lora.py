@@ -2,9 +2,9 @@
 layer's output, built only when the engine has LoRA enabled.
 
 Every wrapped layer holds preallocated stacks, `lora_a` [max_loras, S * R, in] and `lora_b`
-[max_loras, R, out] (float16 under the C++ CPU kernels by default: `lora_stack_dtype`)
-(R = max_lora_rank, S sub-projections of a fused layer; B is transposed once,
-when an adapter is written into its slot, so the kernels' expand runs along the outputs), and reads
+[max_loras, R, out] (R = max_lora_rank, S sub-projections of a fused layer; B is transposed once,
+when an adapter is written into its slot, so the kernels' expand runs along the outputs; float16
+under the C++ CPU kernels by default, see `lora_stack_dtype`), and reads
 one shared per-token slot-index tensor and one per-slot scaling tensor. All are buffers, bound into
 the compiled graph like the weights: loading an adapter writes into a slot in place, so no shape, no
 address and no compiled piece depends on which adapters a batch holds.
