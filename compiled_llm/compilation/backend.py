@@ -12,6 +12,8 @@ compiled pieces and eager splitting ops, and nothing compiles lazily.
 
 from __future__ import annotations
 
+import json
+import types
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -27,12 +29,21 @@ from compiled_llm.compilation.compile_cache import CompileCache, CompileCacheMis
 from compiled_llm.compilation.config import CompilationConfig, CUDAGraphMode
 from compiled_llm.compilation.counters import counters
 from compiled_llm.compilation.cuda_graph import CUDAGraphWrapper
-from compiled_llm.compilation.inductor_adaptor import CompiledPiece, InductorAdaptor, graph_returns_tuple
+from compiled_llm.compilation.inductor_adaptor import CompiledPiece, InductorAdaptor, graph_returns_tuple, static_inputs
+from compiled_llm.compilation.output_code import (
+    describe,
+    load_output_code,
+    output_code_rel,
+    output_difference,
+    random_like,
+    recording_output_modules,
+)
 from compiled_llm.compilation.partition import split_graph, structural_hash
 from compiled_llm.compilation.pass_manager import PassManager
 from compiled_llm.compilation.piecewise_backend import PiecewiseBackend, ShapeSpec, shape_specs
 from compiled_llm.compilation.traced_graph import GRAPH_FILE, META_FILE, PieceMeta, TracedGraph
 from compiled_llm.logger import init_logger
+from compiled_llm.utils import atomic_write_bytes
 
 logger = init_logger(__name__)
 
@@ -94,6 +105,8 @@ class CompilerManager:
         self.progress = progress
         # Loaded artifacts; they outlive a warm load that fell back to the cold path.
         self.artifacts: dict[tuple[str, ShapeSpec], Any] = {}
+        # The generated module Inductor loaded for each artifact (cold path), for `save_output_code`.
+        self.output_modules: dict[tuple[str, ShapeSpec], types.ModuleType] = {}
 
     @staticmethod
     def name(piece_hash: str, spec: ShapeSpec) -> str:
@@ -112,22 +125,69 @@ class CompilerManager:
     def _rel(self, key: tuple[str, ShapeSpec]) -> str:
         return self.cache.artifact_rel(self.name(*key))
 
-    def load(self, metas: list[PieceMeta], folder: Path) -> Damage | None:
-        """Load every artifact of `metas` from `folder` (a verified copy of the entry); the first
-        one that does not load is returned."""
+    def load(self, metas: list[PieceMeta], folder: Path, verified: set[str] | None = None) -> Damage | None:
+        """Load every artifact of `metas` from `folder` (a verified copy of the entry, whose checked
+        files are `verified`); the first one that does not load is returned."""
         for key in self.plan(metas):
-            damage = self._load_one(key, folder)
+            damage = self._load_one(key, folder, verified)
             if damage is not None:
                 return damage
         return None
 
-    def _load_one(self, key: tuple[str, ShapeSpec], folder: Path) -> Damage | None:
-        if key not in self.artifacts:
+    def _load_one(self, key: tuple[str, ShapeSpec], folder: Path, verified: set[str] | None = None) -> Damage | None:
+        """Load one artifact: its saved module where the entry has one (no Inductor import), else
+        the artifact itself. Content that does not load, checksum right or not, is never trusted."""
+        if key in self.artifacts:
+            return None
+        code = output_code_rel(self._rel(key))
+        if (folder / code).is_file() and (verified is None or code in verified):
             try:
+                self.artifacts[key] = load_output_code(json.loads((folder / code).read_bytes()), folder, verified)
+            except Exception as e:
+                return Damage(code, f"does not load ({type(e).__name__}: {e})")
+            counters.num_artifacts_loaded += 1
+            return None
+        try:
+            with recording_output_modules() as modules:
                 self.artifacts[key] = self.adaptor.load(folder / self._rel(key))
-            except Exception as e:  # checksum right, content unusable (another build): never trusted
-                return Damage(self._rel(key), f"does not load ({type(e).__name__}: {e})")
+        except Exception as e:  # checksum right, content unusable (another build): never trusted
+            return Damage(self._rel(key), f"does not load ({type(e).__name__}: {e})")
+        self._remember_output_module(key, modules)
         return None
+
+    def _remember_output_module(self, key: tuple[str, ShapeSpec], modules: list[types.ModuleType]) -> None:
+        generated = [m for m in modules if hasattr(m, "call")]
+        if len(generated) == 1:
+            self.output_modules[key] = generated[0]
+
+    def save_output_code(self, metas: list[PieceMeta], piece_inputs: dict[str, tuple[Any, ...]],
+                         symbol: sympy.Symbol | None) -> None:
+        """Save each artifact's generated module for warm starts without Inductor (output_code.py),
+        once it gave exactly the artifact's outputs on random inputs of each size checked."""
+        roots = [self.cache.entry] + ([self.cache.staged_folder] if self.cache.staged_folder else [])
+        for key, meta in self.plan(metas).items():
+            rel = output_code_rel(self._rel(key))
+            module = self.output_modules.get(key)
+            if module is None or self.cache.has(rel):
+                continue
+            try:
+                code = describe(module, roots)
+                fast = load_output_code(code, self.cache.entry)
+                spec = key[1]
+                for size in sorted({spec.lo, min(spec.hi, max(spec.lo, 3))}):
+                    with torch._subclasses.fake_tensor.unset_fake_temporarily():
+                        args = [random_like(x) if isinstance(x, torch.Tensor) else x
+                                for x in static_inputs(list(piece_inputs[meta.name]), symbol, size)]
+                        outputs = [CompiledPiece(fn, meta.returns_tuple)(*args) for fn in (self.artifacts[key], fast)]
+                        if not meta.returns_tuple:
+                            outputs = [[out] for out in outputs]
+                        difference = output_difference(*outputs)
+                    if difference is not None:
+                        raise ValueError(f"at {size} tokens its {difference}")
+            except Exception as e:
+                logger.info("Piece %s (%s) keeps Inductor's loader for warm starts: %s", meta.name, key[1], e)
+                continue
+            atomic_write_bytes(self.cache.entry / rel, json.dumps(code).encode())
 
     def refuse_misses(self, metas: list[PieceMeta], misses: list[tuple[str, ShapeSpec]]) -> None:
         """A start that must not compile (strict, or from a read-only cache) fails on a miss,
@@ -171,7 +231,9 @@ class CompilerManager:
             logger.info("Compiling %d artifact(s) for %d unique piece(s) into %s.",
                         len(misses), len({h for h, _ in plan}), cache.entry)
         for key in tqdm(misses, desc="Compiling pieces", disable=not (self.progress and misses), dynamic_ncols=True):
-            artifact = compile_piece(plan[key], key[1])
+            with recording_output_modules() as modules:
+                artifact = compile_piece(plan[key], key[1])
+            self._remember_output_module(key, modules)
             self.adaptor.save(artifact, cache.entry / self._rel(key))
             cache.commit()  # the artifact and the files Inductor wrote for it
             self.artifacts[key] = artifact
@@ -235,7 +297,7 @@ class CompilerBackend:
         except Exception as e:
             return self._refuse_or_set_aside([Damage(GRAPH_FILE, f"is unreadable ({type(e).__name__}: {e})")])
         self.cache.use_stage_for_inductor()
-        damage = self.manager.load(pieces, stage.folder)
+        damage = self.manager.load(pieces, stage.folder, stage.files)
         if damage is not None:
             return self._refuse_or_set_aside([damage])
         self._install(graph, pieces, self.manager.artifacts)
@@ -281,6 +343,7 @@ class CompilerBackend:
             )
 
         artifacts = self.manager.compile(metas, compile_piece)
+        self.manager.save_output_code(metas, inputs, symbol)
         self.traced = TracedGraph(traced_graph.strip_graph(split, [m.name for m in metas]), bindings, metas)
         traced_graph.save(self.cache.entry, self.traced)
         self.cache.commit()

@@ -17,12 +17,15 @@ import hashlib
 import importlib
 import inspect
 import json
+import os
 import platform
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._config_module import _UNSET_SENTINEL
 
 import compiled_llm
 from compiled_llm.compilation.config import CompilationConfig
@@ -33,13 +36,36 @@ def _hash_text(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _config_module_hash(module: Any) -> str:
-    """Hash of a torch config module (inductor, functorch), skipping entries that don't change code."""
-    try:
-        data = module.save_config_portable()
-    except Exception:  # older torch: fall back to the full dict
-        data = module.get_config_copy()
-    return _hash_text(json.dumps(data, sort_keys=True, default=repr))
+# The config modules whose values shape the generated code, and the entries that
+# inductor_settings.apply() sets in every process that compiles or loads (constants of this
+# package, so not read back).
+CONFIG_MODULES = {"inductor_config": "torch._inductor.config", "functorch_config": "torch._functorch.config"}
+APPLIED_SETTINGS = {"cpp.vec_isa_ok", "cpp_cache_precompile_headers"}
+_ENV_NAME = re.compile(r"[\"']([A-Z][A-Z0-9_]+)[\"']")
+
+
+def _config_env_names(module_name: str) -> list[str]:
+    """Every quoted upper-case name in the config module's source: a superset of the environment
+    variables it reads (read as text: importing Inductor's config imports Inductor, 3 s)."""
+    source = Path(torch.__file__).parent.joinpath(*module_name.split(".")[1:]).with_suffix(".py")
+    return sorted(set(_ENV_NAME.findall(source.read_text())))
+
+
+def config_fingerprint(module_name: str) -> dict[str, Any]:
+    """A torch config module's values without importing it: the torch version (a factor of its
+    own) fixes the defaults, so what can differ is the environment variables the module reads
+    and, where this process has already imported it, the values set in it."""
+    names = _config_env_names(module_name)
+    env = {name: os.environ[name] for name in names if name in os.environ}
+    overrides: dict[str, str] = {}
+    module = sys.modules.get(module_name)
+    if module is not None:
+        for name, entry in getattr(module, "_config", {}).items():
+            value = entry.user_override.get()
+            if not name.startswith("_") and name not in APPLIED_SETTINGS and value is not _UNSET_SENTINEL \
+                    and value != entry.default:
+                overrides[name] = repr(value)
+    return {"environment": env, "set_in_process": overrides}
 
 
 # The packages whose code builds the traced graph or the code generated for it: the models and
@@ -102,15 +128,31 @@ def sources_hash(files: list[Path]) -> str:
 
 def device_description(device: torch.device) -> str:
     """What the generated code was built for: an entry restored onto another machine must only
-    be reused where that code runs (Inductor's C++ targets the vector ISA it found)."""
+    be reused where that code runs (Inductor's C++ targets the vector ISA it finds)."""
     if device.type == "cuda":
         import triton
 
         props = torch.cuda.get_device_properties(device)
         return f"cuda:{props.name}:sm{props.major}{props.minor}:triton{triton.__version__}"
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
+    return f"cpu:{platform.machine()}:{cpu_vector_isa()}"
 
-    return f"cpu:{platform.machine()}:{pick_vec_isa()}"
+
+def cpu_vector_isa() -> str:
+    """The CPU features Inductor chooses its vector ISA from (`cpu_vec_isa.pick_vec_isa`), read
+    as it reads them but without importing Inductor; ATEN_CPU_CAPABILITY narrows its choice."""
+    cpu = torch.cpu
+    if platform.machine() in ("x86_64", "AMD64"):
+        flags = {"avx2": cpu._is_avx2_supported(), "avx512": cpu._is_avx512_supported(),
+                 "avx512_vnni": cpu._is_avx512_supported() and cpu._is_vnni_supported(),
+                 "amx_tile": cpu._is_amx_tile_supported()}
+        isa = "+".join(name for name, present in flags.items() if present) or "none"
+    elif platform.machine() == "aarch64":
+        caps = torch.cpu.get_capabilities()
+        isa = "+".join(f"{k}={caps[k]}" for k in ("sve", "sve2", "bf16", "sve_max_length") if k in caps) or "neon"
+    else:
+        isa = "default"
+    capability = os.environ.get("ATEN_CPU_CAPABILITY")
+    return f"{isa}(ATEN_CPU_CAPABILITY={capability})" if capability else isa
 
 
 def compute_factors(
@@ -127,10 +169,8 @@ def compute_factors(
     """Everything that changes the traced graph or the code generated for it. `cpu_kernels`: the
     model calls this project's C++ CPU ops (a graph that calls them cannot run where they are
     not built)."""
-    from compiled_llm.compilation import inductor_settings
     from compiled_llm.compilation.pass_manager import PassManager
 
-    inductor_settings.apply()  # before hashing Inductor's configuration
     model = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
     for volatile in ("_name_or_path", "transformers_version", "_commit_hash"):
         model.pop(volatile, None)
@@ -139,8 +179,7 @@ def compute_factors(
         "torch_version": torch.__version__,
         "python": f"{sys.version_info.major}.{sys.version_info.minor}",
         "device": device_description(device),
-        "inductor_config": _config_module_hash(torch._inductor.config),
-        "functorch_config": _config_module_hash(torch._functorch.config),
+        **{factor: config_fingerprint(module) for factor, module in CONFIG_MODULES.items()},
         "inductor_options": compilation_config.inductor_options,
         "model_config": model,
         "dtype": str(dtype),

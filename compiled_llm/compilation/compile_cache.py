@@ -570,6 +570,11 @@ class CompileCache:
             stage.files.add(rel)
         return stage
 
+    @property
+    def staged_folder(self) -> Path | None:
+        """The private copy a warm start loaded from, if any."""
+        return self._stage.folder if self._stage is not None else None
+
     def use_stage_for_inductor(self) -> None:
         """Point Inductor's and Triton's own caches at the private copy (a warm load writes there)."""
         assert self._stage is not None

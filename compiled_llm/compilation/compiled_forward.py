@@ -29,9 +29,6 @@ class CompiledForward:
         max_num_batched_tokens: int,
         progress: bool = True,
     ) -> None:
-        from compiled_llm.compilation import inductor_settings
-
-        inductor_settings.apply()
         self.model = model
         self.config = config
         self.cache = cache
@@ -61,6 +58,9 @@ class CompiledForward:
         return self.call(*example_args)
 
     def _trace_with_dynamo(self, example_args: tuple[torch.Tensor, ...]) -> None:
+        from compiled_llm.compilation import inductor_settings
+
+        inductor_settings.apply()
         for arg in example_args:
             torch._dynamo.mark_dynamic(arg, 0)
         self.backend.inputs = example_args

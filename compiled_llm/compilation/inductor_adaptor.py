@@ -1,4 +1,8 @@
-"""Compiling one graph piece with Inductor (`standalone_compile`), saving and loading the artifact."""
+"""Compiling one graph piece with Inductor (`standalone_compile`), saving and loading the artifact.
+
+Inductor is imported here, when a piece is first compiled or loaded this way, not when the
+module is: a warm start that runs saved modules (output_code.py) never imports it (3-4 s).
+"""
 
 from __future__ import annotations
 
@@ -11,8 +15,8 @@ from typing import Any, Callable, Iterator
 import sympy
 import torch
 import torch.fx as fx
-from torch._inductor import CompiledArtifact, standalone_compile
 
+from compiled_llm.compilation import inductor_settings
 from compiled_llm.compilation.counters import counters
 
 
@@ -60,7 +64,7 @@ def _size_hint(shape_env: Any, symbol: sympy.Symbol | None, hint: int | None) ->
         hints[symbol] = previous
 
 
-def _static_inputs(example_inputs: list[Any], symbol: sympy.Symbol, size: int) -> list[Any]:
+def static_inputs(example_inputs: list[Any], symbol: sympy.Symbol, size: int) -> list[Any]:
     """Concrete-shaped stand-ins for a static compile: the token dimension set to `size`."""
 
     def concrete(x: Any) -> int:
@@ -94,19 +98,22 @@ class InductorAdaptor:
         shape_env: Any,
         size: int | None = None,
         hint: int | None = None,
-    ) -> CompiledArtifact:
+    ) -> Any:
         """Compile for a static `size`, or symbolically (tuned for `hint`) when size is None."""
+        from torch._inductor import standalone_compile
+
+        inductor_settings.apply()
         counters.num_inductor_compilations += 1
         options = {"config_patches": self.options}
         if size is not None:
             with torch._subclasses.fake_tensor.unset_fake_temporarily():
-                inputs = _static_inputs(example_inputs, symbol, size)
+                inputs = static_inputs(example_inputs, symbol, size)
             return standalone_compile(graph, inputs, dynamic_shapes="from_example_inputs", options=options)
         with _size_hint(shape_env, symbol, hint):
             return standalone_compile(graph, example_inputs, dynamic_shapes="from_tracing_context", options=options)
 
     @staticmethod
-    def save(artifact: CompiledArtifact, path: Path) -> None:
+    def save(artifact: Any, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         os.close(fd)
@@ -120,7 +127,10 @@ class InductorAdaptor:
         counters.num_artifacts_saved += 1
 
     @staticmethod
-    def load(path: Path) -> CompiledArtifact:
+    def load(path: Path) -> Any:
+        from torch._inductor import CompiledArtifact
+
+        inductor_settings.apply()
         artifact = CompiledArtifact.load(path=str(path), format="binary")
         counters.num_artifacts_loaded += 1
         return artifact
