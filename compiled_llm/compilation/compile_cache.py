@@ -7,6 +7,7 @@
 <root>/<key>/manifest.sig      HMAC-SHA256 of index.json, with a signing key (optional)
 <root>/<key>/graph.pkl, .json  the traced graph (traced_graph.py)
 <root>/<key>/artifacts/*.bin   one Inductor artifact per (piece structure, shape range or size)
+<root>/<key>/artifacts/*.code.json  its generated module, run by warm starts without Inductor (output_code.py)
 <root>/<key>/weights/*         the model's weights as packed after loading (models/packed_weights.py)
 <root>/<key>/inductor/         TORCHINDUCTOR_CACHE_DIR while a cold start fills this entry
 <root>/<key>/triton/           TRITON_CACHE_DIR likewise
