@@ -46,10 +46,43 @@ def fresh_counters():
     yield
 
 
-def test_split_runs_attention_eagerly_between_compiled_pieces(tmp_path):
-    model, compiled, snap = compile_toy(str(tmp_path))
-    layers = len(model.layers)
+@pytest.fixture(scope="module")
+def compiled_in_process(tmp_path_factory):
+    """(model, compiled forward, counters at its start, cache root): one cold compile of the toy in this
+    process, shared by the tests that only run it or compile another entry after it."""
+    root = tmp_path_factory.mktemp("toy-in-process")
+    counters.reset()
+    model, compiled, snap = compile_toy(str(root))
+    return model, compiled, snap, root
+
+
+@pytest.fixture(scope="module")
+def cold_entry(tmp_path_factory):
+    """(cache root, report): one cold start of the toy with size 4 besides its range, in a fresh
+    process. Tests that damage the entry work on a copy (`copy_of`)."""
+    root = tmp_path_factory.mktemp("toy-cold")
+    cold, _ = run_fresh(root, sizes=[4])
+    return root, cold
+
+
+def copy_of(cold_entry, tmp_path) -> tuple[Path, Path]:
+    """(a copy of the cold cache root, the entry in it)."""
+    root, cold = cold_entry
+    dest = tmp_path / "cache"
+    shutil.copytree(root, dest, symlinks=True)
+    return dest, dest / Path(cold["cache_entry"]).name
+
+
+def test_split_runs_attention_eagerly_between_compiled_pieces_and_nothing_recompiles_while_serving(
+        compiled_in_process):
+    """One compile checks both (the first thing it serves is the no-recompile check)."""
+    model, compiled, snap, _ = compiled_in_process
     assert snap["num_graphs_traced"] == 1
+    with torch.inference_mode(), torch.compiler.set_stance("fail_on_recompile"):
+        for n in (1, 2, 3, 9, 31, 32):
+            compiled(*inputs(n))
+    assert counters.num_graphs_traced == 0 and counters.num_recompiles == 0  # nothing since the start
+    layers = len(model.layers)
     assert snap["num_pieces"] == layers + 1  # pieces between and around the attention calls
     assert snap["num_unique_pieces"] == 3  # first, middle (shared by identical layers), last
     assert snap["num_inductor_compilations"] == 3
@@ -88,12 +121,6 @@ def test_ranges_and_sizes_must_cover_every_step_size(tmp_path):
     assert toy_config(str(tmp_path), ranges=[(1, 4), (6, MAX_TOKENS)], sizes=[5]).compile_sizes == [5]
 
 
-def test_nothing_recompiles_while_serving(tmp_path):
-    model, compiled, _ = compile_toy(str(tmp_path))
-    with torch.inference_mode(), torch.compiler.set_stance("fail_on_recompile"):
-        for n in (1, 2, 3, 9, 31, 32):
-            compiled(*inputs(n))
-    assert counters.num_graphs_traced == 1 and counters.num_recompiles == 0
 
 
 def test_changed_factors_give_another_cache_folder(tmp_path):
@@ -124,58 +151,61 @@ def test_strict_mode_fails_on_an_empty_cache(tmp_path):
     assert str(tmp_path) in message and "-r1-32" in message and "precompile" in message
 
 
-def test_second_start_loads_with_zero_inductor_runs(tmp_path):
-    cold, _ = run_fresh(tmp_path, sizes=[4])
+def test_second_start_loads_with_zero_inductor_runs(cold_entry, tmp_path):
+    _, cold = cold_entry
     assert cold["num_inductor_compilations"] == 6 and cold["num_artifacts_saved"] == 6
-    warm, _ = run_fresh(tmp_path, sizes=[4], strict=True)
+    root, _ = copy_of(cold_entry, tmp_path)
+    warm, _ = run_fresh(root, sizes=[4], strict=True)
     assert warm["num_inductor_compilations"] == 0
     assert warm["num_graphs_traced"] == 0  # the saved graph is loaded: no Dynamo at all
     assert warm["num_artifacts_loaded"] == 6
     assert warm["max_error"] < 1e-5  # loaded artifacts (incl. single-output last piece) equal eager
-    assert warm["cache_entry"] == cold["cache_entry"]
     entry = Path(cold["cache_entry"])
+    assert warm["cache_entry"] == str(root / entry.name)  # the same key in another process
     assert json.loads((entry / "factors.json").read_text())["compile_sizes"] == [4]
     assert (entry / "inductor").is_dir()  # Inductor's own cache lives inside the entry
 
 
-def test_truncated_artifact_is_reported_and_recompiled(tmp_path):
-    cold, _ = run_fresh(tmp_path)
-    entry = Path(cold["cache_entry"])
+def test_truncated_artifact_is_reported_and_recompiled(cold_entry, tmp_path):
+    root, entry = copy_of(cold_entry, tmp_path)
     victim = sorted((entry / "artifacts").glob("*.bin"))[0]
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
-    again, log = run_fresh(tmp_path)
+    again, log = run_fresh(root, sizes=[4])
     assert again["num_inductor_compilations"] == 1  # only the damaged artifact is rebuilt
     assert again["max_error"] < 1e-5
     assert "checksum" in log and "moved it to" in log
-    aside = list(tmp_path.glob(f"{entry.name}.broken-*"))
+    aside = list(root.glob(f"{entry.name}.broken-*"))
     assert aside, "the broken artifact is set aside, not deleted"
     assert [p.relative_to(aside[0]) for p in aside[0].rglob("*") if p.is_file()] == [Path("artifacts", victim.name)]
-    warm, _ = run_fresh(tmp_path, strict=True)  # the rebuilt entry is whole again
+    warm, _ = run_fresh(root, sizes=[4], strict=True)  # the rebuilt entry is whole again
     assert warm["num_inductor_compilations"] == 0
 
 
-def test_unloadable_artifact_or_damaged_graph_is_rebuilt_not_trusted(tmp_path):
+def test_unloadable_artifact_or_damaged_graph_is_rebuilt_not_trusted(cold_entry, tmp_path):
     from compiled_llm.compilation.compile_cache import file_sha256
     from compiled_llm.compilation.traced_graph import GRAPH_FILE
 
-    cold, _ = run_fresh(tmp_path)
-    entry = Path(cold["cache_entry"])
-    # An artifact whose checksum the index vouches for, but which does not load.
+    root, entry = copy_of(cold_entry, tmp_path)
+    # An artifact whose checksum the index vouches for, but which does not load (its saved module,
+    # which a warm start would run instead, taken out: tests/compilation/test_output_code.py).
     victim = sorted((entry / "artifacts").glob("*.bin"))[0]
     victim.write_bytes(b"not an artifact")
     index = json.loads((entry / "index.json").read_text())
     index["files"][f"artifacts/{victim.name}"] = {"sha256": file_sha256(victim), "bytes": victim.stat().st_size}
+    saved_module = victim.with_name(victim.name.removesuffix(".bin") + ".code.json")
+    saved_module.unlink()
+    del index["files"][f"artifacts/{saved_module.name}"]
     (entry / "index.json").write_text(json.dumps(index))
-    again, log = run_fresh(tmp_path)
+    again, log = run_fresh(root, sizes=[4])
     assert again["num_inductor_compilations"] == 1 and again["max_error"] < 1e-5  # only it is rebuilt
     assert "moved it to" in log
     # A truncated saved graph: traced again with Dynamo, the artifacts still serve.
     graph = entry / GRAPH_FILE
     graph.write_bytes(graph.read_bytes()[:100])
-    traced, log = run_fresh(tmp_path)
+    traced, log = run_fresh(root, sizes=[4])
     assert traced["num_graphs_traced"] == 1 and traced["num_inductor_compilations"] == 0
     assert traced["max_error"] < 1e-5 and "unreadable" in log
-    warm, _ = run_fresh(tmp_path, strict=True)
+    warm, _ = run_fresh(root, sizes=[4], strict=True)
     assert warm["num_graphs_traced"] == 0 and warm["num_inductor_compilations"] == 0
 
 
@@ -190,14 +220,15 @@ def test_two_processes_filling_one_cache_leave_it_valid(tmp_path):
     assert warm["num_inductor_compilations"] == 0 and warm["num_artifacts_loaded"] == 3
 
 
-def test_an_entry_compiled_after_another_in_one_process_holds_its_own_libraries(tmp_path):
+def test_an_entry_compiled_after_another_in_one_process_holds_its_own_libraries(compiled_in_process, tmp_path):
     """Inductor keeps built kernels in memory by their source: without clearing that, a second
     entry compiled in the same process got no shared libraries and every warm start from it
-    rebuilt them (12 s of C++ compiles for the bundled model on 2 cores)."""
-    compile_toy(str(tmp_path / "first"))
+    rebuilt them (12 s of C++ compiles for the bundled model on 2 cores). The first entry is the
+    module's in-process compile of the same toy."""
+    *_, first = compiled_in_process
     compile_toy(str(tmp_path / "second"))
-    for root in ("first", "second"):
-        (entry,) = [p for p in (tmp_path / root).iterdir() if p.is_dir()]
+    for root in (first, tmp_path / "second"):
+        (entry,) = [p for p in root.iterdir() if p.is_dir()]
         listed = json.loads((entry / "index.json").read_text())["files"]
         libraries = [rel for rel in listed if rel.endswith(".so")]
         sources = [rel for rel in listed if rel.endswith(".main.cpp")]
