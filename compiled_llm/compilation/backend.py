@@ -15,9 +15,8 @@ from __future__ import annotations
 import json
 import types
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
-import sympy
 import torch
 import torch.fx as fx
 from torch._dispatch.python import enable_python_dispatcher
@@ -45,6 +44,9 @@ from compiled_llm.compilation.traced_graph import GRAPH_FILE, META_FILE, PieceMe
 from compiled_llm.logger import init_logger
 from compiled_llm.utils import atomic_write_bytes
 
+if TYPE_CHECKING:
+    import sympy  # not at run time: 0.6 s of a warm start, which never needs it
+
 logger = init_logger(__name__)
 
 
@@ -67,6 +69,8 @@ def record_piece_inputs(split: fx.GraphModule, example_inputs: list[Any]) -> dic
 
 def token_symbol(example_inputs: list[Any]) -> sympy.Symbol | None:
     """The symbol of the dynamic token dimension (the first one Dynamo created)."""
+    import sympy
+
     for x in example_inputs:
         if isinstance(x, torch.SymInt) and isinstance(x.node.expr, sympy.Symbol):
             return x.node.expr

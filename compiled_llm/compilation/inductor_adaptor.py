@@ -10,14 +10,16 @@ import os
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-import sympy
 import torch
 import torch.fx as fx
 
 from compiled_llm.compilation import inductor_settings
 from compiled_llm.compilation.counters import counters
+
+if TYPE_CHECKING:
+    import sympy  # not at run time: 0.6 s of a warm start, which never needs it
 
 
 def graph_returns_tuple(gm: fx.GraphModule) -> bool:
@@ -56,6 +58,8 @@ def _size_hint(shape_env: Any, symbol: sympy.Symbol | None, hint: int | None) ->
     if symbol not in hints:
         yield
         return
+    import sympy
+
     previous = hints[symbol]
     hints[symbol] = sympy.Integer(hint)
     try:
