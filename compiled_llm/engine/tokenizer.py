@@ -7,7 +7,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+try:  # transformers 5: the module itself, so that `transformers.models` (1,100 files scanned) is not imported
+    from transformers.tokenization_utils_tokenizers import PreTrainedTokenizerFast
+except ImportError:  # transformers 4
+    from transformers import PreTrainedTokenizerFast
 
 # tokenizer_config.json classes that are the generic fast tokenizer over tokenizer.json: loaded as
 # such directly, because AutoTokenizer first resolves the model's config, whose imports (the model
@@ -26,6 +29,8 @@ def get_tokenizer(folder: str) -> Any:
             tokenizer_class = None
         if tokenizer_class in _GENERIC_FAST:
             return PreTrainedTokenizerFast.from_pretrained(folder)
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(folder)
 
 
