@@ -142,20 +142,31 @@ def key_file(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def signed(tmp_path_factory, key_file) -> Path:
-    """A cache root holding one complete toy entry signed with `key_file`."""
-    root = tmp_path_factory.mktemp("signed")
-    cold, log = toy(root, signing_key_file=str(key_file))
-    assert cold["num_inductor_compilations"] == 3 and "Signed compile cache entry" in log
-    return root
-
-
 def copy_of(root: Path, tmp_path: Path) -> tuple[Path, Path]:
     """(a copy of the cache root, its entry)."""
     dest = tmp_path / "cache"
     shutil.copytree(root, dest, symlinks=True)
     return dest, dest / KEY
+
+
+@pytest.fixture(scope="module")
+def resigned(tmp_path_factory, filled, key_file) -> tuple[Path, dict, dict, str]:
+    """(the cache root, the refused strict start, the rebuilding start, its log): a copy of the unsigned
+    `filled` started with `key_file`, strictly (refused), then normally (every piece compiled again
+    and the new entry signed)."""
+    root, _ = copy_of(filled, tmp_path_factory.mktemp("resigned"))
+    refused, _ = toy(root, strict=True, signing_key_file=str(key_file))
+    rebuilt, log = toy(root, signing_key_file=str(key_file))
+    return root, refused, rebuilt, log
+
+
+@pytest.fixture(scope="module")
+def signed(resigned) -> Path:
+    """A cache root holding one complete toy entry signed with `key_file`: the one `resigned` rebuilt,
+    a cold compile with the key (next to it, the unsigned entry it set aside)."""
+    root, _, rebuilt, log = resigned
+    assert rebuilt["num_inductor_compilations"] == 3 and "Signed compile cache entry" in log
+    return root
 
 
 # ---- 7: a read-only cache can be served ---------------------------------------------------------
@@ -357,13 +368,11 @@ def test_the_signing_key_is_not_in_the_cache_key_nor_written(signed, key_file, t
     assert SECRET.decode() not in log and str(key_file) not in log
 
 
-def test_an_unsigned_entry_is_refused_with_a_key_and_rebuilt_signed_without_strict(filled, key_file, tmp_path):
-    root, entry = copy_of(filled, tmp_path)
-    refused, _ = toy(root, strict=True, signing_key_file=str(key_file))
+def test_an_unsigned_entry_is_refused_with_a_key_and_rebuilt_signed_without_strict(resigned, key_file, tmp_path):
+    root, refused, rebuilt, log = resigned
     assert "index.json is not signed" in refused["error"]
-    rebuilt, log = toy(root, signing_key_file=str(key_file))
     assert rebuilt["num_inductor_compilations"] == 3 and "moved it to" in log
-    warm, _ = toy(root, strict=True, signing_key_file=str(key_file))
+    warm, _ = toy(copy_of(root, tmp_path)[0], strict=True, signing_key_file=str(key_file))
     assert warm["num_inductor_compilations"] == 0
 
 
