@@ -73,6 +73,20 @@ def _sources_line(old: Any, new: Any) -> str:
     return f"package sources: {len(labelled)} file(s) differ: {shown}"
 
 
+def _config_line(label: str, old: Any, new: Any) -> str:
+    """Which environment variables or in-process settings of a torch config module differ."""
+    if not (isinstance(old, dict) and isinstance(new, dict)):
+        return f"{label}: {_short(old)} in the entry, {_short(new)} now"
+    parts = []
+    for part, what in (("environment", "environment variable"), ("set_in_process", "set in the process")):
+        before, after = old.get(part) or {}, new.get(part) or {}
+        for k in sorted(before.keys() | after.keys()):
+            if before.get(k, MISSING) != after.get(k, MISSING):
+                parts.append(f"{k} ({what}) {_short(before.get(k, MISSING), 20)} in the entry, "
+                             f"{_short(after.get(k, MISSING), 20)} now")
+    return f"{label}: " + ("; ".join(parts) if parts else "differs")
+
+
 def differences(entry: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """One line per factor that differs between an entry's factors and a start's (compared as
     factors.json stores them: JSON has no integer keys or tuples)."""
@@ -87,6 +101,8 @@ def differences(entry: dict[str, Any], now: dict[str, Any]) -> list[str]:
             lines.append(_model_line(old, new))
         elif name == "sources":
             lines.append(_sources_line(old, new))
+        elif name in ("inductor_config", "functorch_config"):
+            lines.append(_config_line(FACTOR_NAMES[name], old, new))
         else:
             lines.append(f"{FACTOR_NAMES.get(name, name)}: {_short(old)} in the entry, {_short(new)} now")
     return lines

@@ -290,6 +290,10 @@ def _changed(factors: dict, kind: str) -> tuple[dict, str]:
     if kind == "device":
         f["device"] = "cpu:x86_64:VecAVX2"
         return f, f"device or vector ISA: cpu:x86_64:VecAVX2 in the entry, {factors['device']} now"
+    if kind == "environment":  # an Inductor setting a CI job exported and production does not
+        f["inductor_config"]["environment"] = {"TORCHINDUCTOR_MAX_AUTOTUNE": "1"}
+        return f, ("torch Inductor configuration: TORCHINDUCTOR_MAX_AUTOTUNE (environment variable) 1 in the "
+                   "entry, absent now")
     if kind == "flag":
         f["quantization"] = {"method": "int8"}
         return f, 'flag --quantization: {"method": "int8"} in the entry, absent now'
@@ -302,7 +306,7 @@ def _changed(factors: dict, kind: str) -> tuple[dict, str]:
     raise ValueError(kind)
 
 
-@pytest.mark.parametrize("kind", ["model", "torch", "python", "device", "flag", "sources"])
+@pytest.mark.parametrize("kind", ["model", "torch", "python", "device", "environment", "flag", "sources"])
 def test_explain_names_each_kind_of_factor(engine_config, kind):
     from compiled_llm.entrypoints.cache_cli import explain_lines
     from compiled_llm.worker.cache_factors import engine_cache_factors
