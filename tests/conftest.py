@@ -127,3 +127,18 @@ def warm_compile_cache(real_model_path) -> dict:
                          timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
+def precompiled_default(tmp_path_factory) -> tuple[Path, dict]:
+    """(a fresh compile cache, the report): one cold `compiled-llm precompile` of the served default
+    (on a CPU the shipped Q4_1 GGUF file, as it ships) with default settings. Shared by the tests
+    that need that cold compile (its report) or an entry it filled; they only start from it."""
+    import json
+    import subprocess
+
+    cache = tmp_path_factory.mktemp("default-compile-cache")
+    out = subprocess.run(["compiled-llm", "precompile", "--compile-cache", str(cache), "--json"], capture_output=True,
+                         text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return cache, json.loads(out.stdout.strip().splitlines()[-1])

@@ -31,16 +31,16 @@ def _precompile(cache, *extra):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_precompile_warm_start_loads_everything_fast(tmp_path):
-    cold = _precompile(tmp_path)
+def test_precompile_warm_start_loads_everything_fast(precompiled_default):
+    cache, cold = precompiled_default  # a cold precompile into a fresh folder
     assert cold["inductor_compilations"] == cold["unique_pieces"] * len(cold["compile_ranges"]) > 0
     assert cold["pieces"] == 31 and cold["unique_pieces"] == 3  # 30 layers around 30 attention calls
-    warm = _precompile(tmp_path, "--require-cache-hit")
+    warm = _precompile(cache, "--require-cache-hit")
     assert warm["inductor_compilations"] == 0
     assert warm["artifacts_loaded"] == cold["artifacts_saved"]
     assert warm["cache_dir"] == cold["cache_dir"]
     assert warm["seconds"] <= cold["seconds"] / 4, (warm["seconds"], cold["seconds"])
-    key = subprocess.run(["compiled-llm", "precompile", "--compile-cache", str(tmp_path), "--print-cache-key"],
+    key = subprocess.run(["compiled-llm", "precompile", "--compile-cache", str(cache), "--print-cache-key"],
                          capture_output=True, text=True, timeout=300).stdout.strip()
     assert cold["cache_dir"].endswith(key)
 

@@ -1,14 +1,12 @@
 """`gguf`: the bundled model served from its shipped Q4_1 file, blocks kept packed.
 
-One engine (compiled, started strictly warm from a `precompile` of the file) serves the module's
-generation tests; the damaged-file tests fail before any engine is built.
+One engine (compiled, started strictly warm from a `precompile` of the served default, which is the
+file) serves the module's generation tests; the damaged-file tests fail before any engine is built.
 """
 
 from __future__ import annotations
 
-import json
 import shutil
-import subprocess
 from pathlib import Path
 
 import gguf
@@ -34,14 +32,10 @@ def gguf_path() -> str:
 
 
 @pytest.fixture(scope="module")
-def precompiled(gguf_path, tmp_path_factory) -> tuple[Path, dict]:
-    """`compiled-llm precompile` of the GGUF file into a fresh compile cache."""
-    cache = tmp_path_factory.mktemp("gguf-compile-cache")
-    out = subprocess.run(["compiled-llm", "precompile", gguf_path, "--compile-cache", str(cache), "--json",
-                          "--max-model-len", str(ENGINE["max_model_len"])],
-                         capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return cache, json.loads(out.stdout.strip().splitlines()[-1])
+def precompiled(precompiled_default) -> tuple[Path, dict]:
+    """`compiled-llm precompile` of the served default, which is the GGUF file, into a fresh compile
+    cache (shared with tests/compilation/test_real_model.py; `max_model_len` is not in the key)."""
+    return precompiled_default
 
 
 @pytest.fixture(scope="module")
