@@ -34,6 +34,9 @@ def build_dir() -> Path:
     from compiled_llm.utils import cpu_flags, user_cache_dir
 
     h = hashlib.sha256(" ".join(_FLAGS).encode() + torch.__version__.encode())
+    # The build file names the sources by path: two checkouts (or venvs) sharing one cache folder
+    # would otherwise rebuild each other's kernels at every start (90 s on 2 cores).
+    h.update(str(_CSRC.resolve()).encode())
     h.update(" ".join(sorted(cpu_flags())).encode())  # a -march=native build runs only where the CPU has them
     for path in _SOURCES + _HEADERS:
         h.update(path.read_bytes())
