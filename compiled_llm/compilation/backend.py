@@ -111,6 +111,7 @@ class CompilerManager:
         self.artifacts: dict[tuple[str, ShapeSpec], Any] = {}
         # The generated module Inductor loaded for each artifact (cold path), for `save_output_code`.
         self.output_modules: dict[tuple[str, ShapeSpec], types.ModuleType] = {}
+        self.resave: set[tuple[str, ShapeSpec]] = set()  # saved modules that did not load while filling
 
     @staticmethod
     def name(piece_hash: str, spec: ShapeSpec) -> str:
@@ -147,10 +148,16 @@ class CompilerManager:
         if (folder / code).is_file() and (verified is None or code in verified):
             try:
                 self.artifacts[key] = load_output_code(json.loads((folder / code).read_bytes()), folder, verified)
+                counters.num_artifacts_loaded += 1
+                return None
             except Exception as e:
-                return Damage(code, f"does not load ({type(e).__name__}: {e})")
-            counters.num_artifacts_loaded += 1
-            return None
+                if verified is not None:  # a warm start's checked copy: damage, never half-trusted
+                    return Damage(code, f"does not load ({type(e).__name__}: {e})")
+                # Filling the entry: the artifact may still load (Inductor rebuilds a kernel library
+                # that was set aside), and its module is then saved again.
+                logger.info("Saved Inductor module %s does not load (%s: %s); loading its artifact.",
+                            code, type(e).__name__, e)
+                self.resave.add(key)
         try:
             with recording_output_modules() as modules:
                 self.artifacts[key] = self.adaptor.load(folder / self._rel(key))
@@ -172,7 +179,7 @@ class CompilerManager:
         for key, meta in self.plan(metas).items():
             rel = output_code_rel(self._rel(key))
             module = self.output_modules.get(key)
-            if module is None or self.cache.has(rel):
+            if module is None or (self.cache.has(rel) and key not in self.resave):
                 continue
             try:
                 code = describe(module, roots)
