@@ -62,7 +62,8 @@ def config_fingerprint(module_name: str) -> dict[str, Any]:
     module = sys.modules.get(module_name)
     if module is not None:
         for name, entry in getattr(module, "_config", {}).items():
-            value = entry.user_override.get()
+            value = getattr(entry, "user_override", _UNSET_SENTINEL)
+            value = value.get() if hasattr(value, "get") else value  # a ContextVar in torch 2.13, a value in older ones
             if not name.startswith("_") and name not in APPLIED_SETTINGS and value is not _UNSET_SENTINEL \
                     and value != entry.default:
                 overrides[name] = repr(value)
