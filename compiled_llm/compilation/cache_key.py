@@ -45,11 +45,12 @@ APPLIED_SETTINGS = {"cpp.vec_isa_ok", "cpp_cache_precompile_headers"}
 _ENV_NAME = re.compile(r"[\"']([A-Z][A-Z0-9_]+)[\"']")
 
 
-def _config_env_names(module_name: str) -> list[str]:
+@functools.cache
+def _config_env_names(module_name: str) -> tuple[str, ...]:
     """Every quoted upper-case name in the config module's source: a superset of the environment
     variables it reads (read as text: importing Inductor's config imports Inductor, 3 s)."""
     source = Path(torch.__file__).parent.joinpath(*module_name.split(".")[1:]).with_suffix(".py")
-    return sorted(set(_ENV_NAME.findall(source.read_text())))
+    return tuple(sorted(set(_ENV_NAME.findall(source.read_text()))))
 
 
 def config_fingerprint(module_name: str) -> dict[str, Any]:

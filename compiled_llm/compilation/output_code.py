@@ -172,8 +172,9 @@ def _relative(file: str, roots: list[Path]) -> str:
 
 
 def output_difference(expected: Any, got: Any) -> str | None:
-    """How two calls' outputs differ (count, shape, stride, dtype, values), or None: equal."""
-    expected, got = list(expected), list(got)
+    """How two calls' outputs differ (count, shape, stride, dtype, values), or None: equal. A
+    bare tensor counts as one output (a fresh artifact of a one-output piece returns one)."""
+    expected, got = ([x] if isinstance(x, torch.Tensor) else list(x) for x in (expected, got))
     if len(expected) != len(got):
         return f"{len(got)} outputs where the artifact gives {len(expected)}"
     for i, (a, b) in enumerate(zip(expected, got)):
