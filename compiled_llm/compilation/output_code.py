@@ -36,6 +36,8 @@ import torch
 FORMAT = 1
 # What the generated module imports from Inductor and Dynamo at its top, and what stands for it.
 KNOWN_IMPORTS = {"AsyncCompile", "extern_kernels", "align", "run_intermediate_hooks", "maybe_profile"}
+# Ops that talk to other ranks (this package's tensor-parallel all-reduce, torch's collectives).
+COLLECTIVES = ("tp_all_reduce", "torch.ops._c10d_functional.", "torch.ops.c10d.")
 ALIGN_BYTES = 64  # torch._inductor.codegen.memory_planning.ALIGN_BYTES (checked at save)
 
 
@@ -122,6 +124,11 @@ def describe(module: types.ModuleType, roots: list[Path]) -> dict[str, Any]:
     if any(_align(n) != _shim_align(n) for n in (0, 1, 63, 64, 65, 4097)):
         raise NotSavable("Inductor's buffer alignment is not the one assumed here")
     source = Path(module.__file__).read_text()
+    if any(name in source for name in COLLECTIVES):
+        # Its check would run the collective on each rank on its own, and a rank whose check ends
+        # early (any refusal) would leave the others waiting in it: a tensor-parallel piece keeps
+        # Inductor's loader.
+        raise NotSavable("calls a collective")
     tree = ast.parse(source)
     drop: list[tuple[int, int]] = []
     for node in tree.body:
