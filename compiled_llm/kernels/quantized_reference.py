@@ -88,6 +88,30 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
     return F.linear(x, dequantize(weight), bias)
 
 
+INT8_ACTIVATION_BLOCK = 32
+
+
+def int8_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (K a multiple of 32) as the CPU kernel's int8-activation path sees it (4-bit weights
+    in 16-wide panels on AVX2; llama.cpp's Q8 activations): per row and block of 32 inputs,
+    d = max|x| / 127 and q = round(x * (127 / max|x|)) (to even, in float32), returned as d * q in
+    float64."""
+    m, k = x.shape
+    blocks = x.float().reshape(m, k // INT8_ACTIVATION_BLOCK, INT8_ACTIVATION_BLOCK)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    # a tensor divided by a tensor: `127 / amax` would be 127 * (1 / amax), an ulp away at times
+    inverse = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(blocks * inverse)
+    return (q.double() * (amax / 127).double()).reshape(m, k)
+
+
+def int8_activation_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What the int8-activation path computes, in float64: the weight against the quantized x (its
+    mins too, as llama.cpp's Q4_1 x Q8_1 dot product does), plus the bias."""
+    y = int8_activations(x) @ dequantize(weight).double().T
+    return y + bias.double() if bias is not None else y
+
+
 def half_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T + b for a 16-bit weight (float16 or bfloat16) with float32 activations."""
     return F.linear(x, weight.float(), bias)

@@ -18,7 +18,7 @@ from compiled_llm.kernels import quantized_reference as ref
 from compiled_llm.models.layers.linear import MergedLinear
 from compiled_llm.quantization import get_quantization_config
 from compiled_llm.quantization.int4 import DEFAULT_GROUP_SIZE
-from compiled_llm.quantization.weight_only import WeightOnlyLinearMethod
+from compiled_llm.quantization.weight_only import WeightOnlyLinearMethod, quantizes_activations
 from tests.models.test_hf_parity import PROMPTS
 from tests.oracle import check_close
 from tests.quantization.greedy import greedy
@@ -58,7 +58,9 @@ def test_fused_layer_computes_with_the_quantized_parts(name, options, kernel, mo
     quantize = ref.quantize_int8 if name == "int8" else lambda w: ref.quantize_int4(w, group)
     expected_weight = torch.cat([ref.dequantize(quantize(p)) for p in parts])
     x = torch.randn(5, 256, generator=g)
-    torch.testing.assert_close(layer(x), F.linear(x, expected_weight, layer.bias), rtol=1e-4, atol=1e-3)
+    bits = 8 if name == "int8" else 4
+    x_seen = ref.int8_activations(x).float() if kernel and quantizes_activations(bits) else x
+    torch.testing.assert_close(layer(x), F.linear(x_seen, expected_weight, layer.bias), rtol=1e-4, atol=1e-3)
 
 
 def test_the_lm_head_gets_per_channel_int8_under_int8_and_int4():
@@ -104,7 +106,10 @@ def test_tiny_random_model_computes_with_the_weights_its_format_stands_for(tiny_
     quantize = ref.quantize_int8 if method == "int8" else lambda w: ref.quantize_int4(w, DEFAULT_GROUP_SIZE)
     as_quantized = _with_weights_as_quantized(model, tmp_path / "as-quantized", quantize)
     exact = check_close(greedy(model, method), greedy(as_quantized, None), method, "float32 on its weights")
-    assert exact >= len(PROMPTS) - 1
+    # Where the GEMM quantizes the activations too (int4 on AVX2), float32 on these weights is no
+    # longer the very computation, only the vLLM closeness rule holds (the kernel tests check it
+    # computes W x' for the quantized x' exactly).
+    assert exact >= (0 if quantizes_activations(4 if method == "int4" else 8) else len(PROMPTS) - 1)
 
 
 # ---- tensor parallelism ----------------------------------------------------------------------------
