@@ -25,7 +25,8 @@ and at num_pred_tokens = our -k; the table shows the faster of the two.
 `--async-scheduling` adds both engines with asynchronous scheduling (taking turns with the others) and
 a table of synchronous against asynchronous; `--no-llama-cpp` leaves llama.cpp out.
 
-    python benchmarks/spec_decode.py [--max-tokens 128] [--batches 1,32] [-k 4] [-O 1] [--runs 3] [--quick] [--json]
+    python benchmarks/spec_decode.py [--max-tokens 128] [--batches 1,32] [-k 4] [--lookup-min 2] [--lookup-max 4]
+                                     [-O 1] [--runs 3] [--quick] [--json]
                                      [--async-scheduling] [--no-llama-cpp]
 """
 
@@ -123,6 +124,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--lookup-min", type=int, default=2, help="prompt_lookup_min")
+    parser.add_argument("--lookup-max", type=int, default=4, help="prompt_lookup_max")
     parser.add_argument("-O", "--optimization-level", type=int, default=1)
     parser.add_argument("--runs", type=int, default=3, help="repetitions (median of the tok/s)")
     parser.add_argument("--quick", action="store_true", help="16 tokens at batch 1, one run: checks the script works")
@@ -140,8 +143,8 @@ def main() -> None:
     from compiled_llm.bundled_model import bundled_gguf_path
 
     workloads = {"repetitive": repetitive_chats(), "non-repetitive": story_chats()}
-    spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens, "prompt_lookup_min": 2,
-            "prompt_lookup_max": 4}
+    spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
+            "prompt_lookup_min": args.lookup_min, "prompt_lookup_max": args.lookup_max}
     # All engines live side by side and take turns within each repetition, so that the machine's
     # load (a shared machine's swings by several times) falls on all alike; medians of --runs.
     # Warm-up on a long and a short prompt of the workloads, for every engine alike: after its first
@@ -202,7 +205,8 @@ def main() -> None:
         return
     print(format_machine(machine))
     print(f"bundled SmolLM2-135M-Instruct, Q4_1 GGUF for both engines; {threads} threads; {max_tokens} tokens a "
-          f"request; ours -O {args.optimization_level}, ngram k={args.num_speculative_tokens} lookup 2..4; "
+          f"request; ours -O {args.optimization_level}, ngram k={args.num_speculative_tokens} lookup "
+          f"{args.lookup_min}..{args.lookup_max}; "
           f"llama-cpp-python {peer_llama_cpp.VERSION}; medians of {args.runs} runs")
     print("| workload | batch | off tok/s | ngram tok/s | speed-up | llama.cpp tok/s | llama.cpp lookup tok/s "
           "| ngram / lookup | acceptance (ours / lookup) | mean accepted length (ours / lookup) "

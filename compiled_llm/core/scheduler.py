@@ -215,7 +215,7 @@ class Scheduler:
         if spec is None or not request.may_speculate or not request.spec_backoff.may_propose():
             return []
         pending = request.num_output_placeholders  # (asynchronous) tokens in flight, counted as if all accepted
-        room = min(spec.num_speculative_tokens, token_budget - 1,
+        room = min(spec.num_speculative_tokens, request.spec_backoff.length, token_budget - 1,
                    self.config.max_model_len - request.num_tokens - pending - 1)
         if request.max_tokens is not None:
             room = min(room, request.max_tokens - request.num_output_tokens - pending - 1)

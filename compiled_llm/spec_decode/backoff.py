@@ -1,10 +1,19 @@
 """Per-request back-off: a request whose proposals keep being rejected stops being given any for a
-while, so that speculation costs little where the text does not repeat itself.
+while, so that speculation costs little where the text does not repeat itself; and the number of
+drafts a request is given follows how many it has been getting right.
 
 Each verification updates a moving average of the share of a request's draft tokens accepted. When
 it falls below `MIN_ACCEPTANCE`, the request decodes one token per step for a pause (8 steps, doubled
-at each back-off in a row, at most 128), then tries again from an even start. Exactness does not
-depend on it: it only decides whether drafts are proposed.
+at each back-off in a row, at most 128), then tries again from an even start.
+
+Draft length: a verification costs about one row of compute per draft on a CPU (the weights are
+read once, but every row is multiplied), so long drafts pay only where they are accepted. A request
+starts at `FIRST_LENGTH` drafts (or fewer, where num_speculative_tokens is lower); every draft of a
+full-length proposal accepted doubles its length (up to num_speculative_tokens), and a rejection
+sets it to one more than were accepted. A loop or a long copy soon verifies the whole
+num_speculative_tokens a step; prose that matches its context in short runs stays at 2-3.
+
+Exactness depends on neither: they only decide how many drafts are proposed.
 """
 
 from __future__ import annotations
@@ -12,15 +21,17 @@ from __future__ import annotations
 MIN_ACCEPTANCE = 0.2
 _WEIGHT = 0.5  # of the latest verification in the average
 _FIRST_PAUSE, _LONGEST_PAUSE = 8, 128
+FIRST_LENGTH, _LONGEST = 4, 64
 
 
 class AcceptanceBackoff:
-    __slots__ = ("acceptance", "pause_left", "next_pause")
+    __slots__ = ("acceptance", "pause_left", "next_pause", "length")
 
     def __init__(self) -> None:
         self.acceptance = 1.0  # optimistic: a new request is given drafts
         self.pause_left = 0
         self.next_pause = _FIRST_PAUSE
+        self.length = FIRST_LENGTH  # drafts to propose next, before num_speculative_tokens caps it
 
     def may_propose(self) -> bool:
         """Called once per decode step of the request: False while it is paused."""
@@ -30,6 +41,10 @@ class AcceptanceBackoff:
         return True
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
+        if num_accepted < num_drafts:
+            self.length = num_accepted + 1
+        elif num_drafts >= self.length:  # a shorter proposal (the context ran out) says nothing more
+            self.length = min(2 * self.length, _LONGEST)
         self.acceptance += _WEIGHT * (num_accepted / num_drafts - self.acceptance)
         if self.acceptance >= MIN_ACCEPTANCE:
             if num_accepted:

@@ -45,3 +45,31 @@ def test_the_scheduler_stops_proposing_to_a_request_whose_drafts_fail():
         verified += bool(drafts)
         s.update_from_output(out, ModelRunnerOutput(["a"], [[5 if drafts == [] else 7]]))  # every draft rejected
     assert 3 <= verified <= 10  # not every one of ~60 steps
+
+
+def test_draft_length_doubles_on_full_acceptance_and_drops_to_one_past_the_accepted():
+    b = AcceptanceBackoff()
+    assert b.length == 4
+    lengths = []
+    for drafts, accepted in [(4, 4), (8, 8), (16, 16), (5, 2), (3, 3), (2, 2), (6, 6), (12, 0)]:
+        b.record(drafts, accepted)
+        lengths.append(b.length)
+    # a proposal shorter than the length (the context ran out), all accepted, leaves it as it is
+    assert lengths == [8, 16, 32, 3, 6, 6, 12, 1]
+
+
+def test_the_scheduler_gives_a_request_as_many_drafts_as_its_length_allows():
+    """num_speculative_tokens caps the length; a repeating prompt's drafts grow to it as they land."""
+    s = Scheduler(SchedulerConfig(4, 64, 256), CacheConfig(block_size=4), 512, SpeculativeConfig("ngram", 10, 1, 2))
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16] * 6
+    s.add_request(Request("a", prompt, SamplingParams(max_tokens=80), [2], 4))
+    sizes = []
+    while s.has_unfinished_requests():
+        out = s.schedule()
+        drafts = out.scheduled_spec_decode_tokens.get("a", [])
+        if out.num_scheduled_tokens.get("a", 0) == 1 + len(drafts):  # a decode step (not a prompt chunk)
+            sizes.append(len(drafts))
+        known = len(s.requests["a"].all_token_ids)  # the model continues the cycle: every draft is right
+        assert drafts == [prompt[(known + i) % 12] for i in range(len(drafts))]
+        s.update_from_output(out, ModelRunnerOutput(["a"], [[*drafts, prompt[(known + len(drafts)) % 12]]]))
+    assert sizes[:3] == [4, 8, 10] and max(sizes) == 10
