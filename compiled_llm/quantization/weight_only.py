@@ -33,13 +33,15 @@ def uses_quantized_kernel(device: torch.device, dtype: torch.dtype, in_features:
             and cpu_op_available("quantized_linear"))
 
 
-def quantizes_activations(bits: int) -> bool:
-    """Whether the C++ GEMM multiplies this many bits of weights with activations quantized to int8
-    per block of 32 (4-bit weights on AVX2, in the CPU's native 16-wide panels: see
-    `quantized_reference.int8_activations`), rather than with the float32 activations."""
-    return (bits == 4 and cpu_op_available("quantized_linear_int8_activations")
-            and torch.ops.compiled_llm_cpu.quantized_linear_int8_activations()
-            and torch.ops.compiled_llm_cpu.native_panel_width() == 16)
+def quantizes_activations(bits: int, panel: int = 0) -> bool:
+    """Whether the C++ GEMM multiplies this many bits of weights, packed in panels `panel` wide (0:
+    the CPU's native width), with activations quantized to int8 per block of 32 (4-bit weights in
+    16-wide panels on AVX2: see `quantized_reference.int8_activations`), rather than with the
+    float32 activations."""
+    if bits != 4 or not cpu_op_available("quantized_linear_int8_activations"):
+        return False
+    ops = torch.ops.compiled_llm_cpu
+    return ops.quantized_linear_int8_activations() and (panel or ops.native_panel_width()) == 16
 
 
 def uses_triton_kernel(device: torch.device) -> bool:

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from compiled_llm.kernels import quantized_reference as ref
 from compiled_llm.kernels.cpu_extension import cpu_kernels_available
 from compiled_llm.kernels.gguf_blocks import BLOCK_BYTES, blocks_to_quantized
+from compiled_llm.quantization.weight_only import quantizes_activations
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="the C++ CPU kernels could not be built")
 
@@ -59,18 +60,13 @@ def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     return y + bias.double() if bias is not None else y
 
 
-def int8_activation_path(bits: int, panel: int) -> bool:
-    """Whether the kernel multiplies int8-quantized activations: 4-bit weights in 16-wide panels, on AVX2."""
-    return bits == 4 and ops.quantized_linear_int8_activations() and (panel or ops.native_panel_width()) == 16
-
-
 def assert_quantized_linear(
     got: torch.Tensor, x: torch.Tensor, weight: ref.QuantizedWeight, bias: torch.Tensor | None, panel: int = 0
 ) -> None:
     """`got` is x W^T + b within float32 rounding, x taken as the kernel takes it: quantized to int8
     per block of 32 on the int8-activation path (its bound then counts the larger of |x| and |x
     quantized| per input), as it is elsewhere."""
-    if int8_activation_path(weight.bits, panel):
+    if quantizes_activations(weight.bits, panel):
         bound_x = torch.maximum(x.double().abs(), ref.int8_activations(x).abs())
         assert_within_rounding(got, bound_x, magnitudes(weight), bias, ref.int8_activation_linear(x, weight, bias))
     else:

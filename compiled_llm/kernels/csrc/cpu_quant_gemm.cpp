@@ -44,6 +44,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -279,14 +280,15 @@ constexpr int kQ8Rows = 4;  // rows per micro-kernel call: 2 accumulators a row,
 // low 128-bit lane holds the bytes (q[k], q[k+1]) eight times and whose high lane (q[k+2], q[k+3])
 // (the pairs vpmaddubsw multiplies with a panel's two k in each lane); and each block's scale.
 struct Q8Rows {
-  std::vector<__m256i> pairs;  // [M][K / 4]
+  std::unique_ptr<__m256i[]> pairs;  // [M][K / 4], every entry written (no zeroing pass first)
   std::vector<float> scale;    // [M][K / 32]
   std::vector<float> sum;      // [M][weight groups]: the sum of d q over the group's inputs
 };
 
 Q8Rows quantize_rows(const float* x, int64_t xs, int64_t M, int64_t K, int64_t G) {
   const int64_t chunks = K / 4, blocks = K / kQ8Block, groups = group_count(K, G);
-  Q8Rows r{std::vector<__m256i>(M * chunks), std::vector<float>(M * blocks), std::vector<float>(M * groups, 0.f)};
+  Q8Rows r{std::unique_ptr<__m256i[]>(new __m256i[M * chunks]), std::vector<float>(M * blocks),
+           std::vector<float>(M * groups, 0.f)};
   auto row = [&](int64_t m) {
     for (int64_t b = 0; b < blocks; b++) {
       const float* p = x + m * xs + b * kQ8Block;
@@ -397,15 +399,14 @@ void q8_gemm(const float* x, int64_t xs, int64_t M, const uint8_t* packed, int64
   const int64_t groups = group_count(K, G), panels = (N + NR - 1) / NR, chunks = K / 4, blocks = K / kQ8Block;
   const int64_t stride = panel_bytes(NR, 4, sizeof(S), K, G);
   const Q8Rows rows_q8 = quantize_rows(x, xs, M, K, G);
-  const std::vector<float>& xsum = rows_q8.sum;
   parallel_panels(M, K, panels, stride, kItemBytes, kQ8Rows, [&](int64_t m0, int64_t m1, int64_t p) {
     const uint8_t* panel = packed + p * stride;
     const int64_t n0 = p * NR, cols = std::min(NR, N - n0);
     const float* b = bias ? bias + n0 : nullptr;
     for (int64_t m = m0; m < m1; m += kQ8Rows) {
-      const __m256i* xp = rows_q8.pairs.data() + m * chunks;
+      const __m256i* xp = rows_q8.pairs.get() + m * chunks;
       const float* xd = rows_q8.scale.data() + m * blocks;
-      const float* xg = xsum.data() + m * groups;
+      const float* xg = rows_q8.sum.data() + m * groups;
       float* yp = y + m * N + n0;
       switch (std::min<int64_t>(kQ8Rows, m1 - m)) {
         case 1: q8_rows_kernel<1, S>(xp, chunks, xd, blocks, xg, panel, K, G, yp, N, cols, b); break;
@@ -429,9 +430,9 @@ void quantized_gemm(const float* x, int64_t xs, int64_t M, const uint8_t* packed
   const int64_t stride = panel_bytes(NR, Bits, sizeof(S), K, G);
   // Up to twice few_rows rows (a speculative verification's 1 + k) still take the few-row kernel,
   // in blocks over a panel that stays in L1: per weight one conversion per block and one FMA per
-  // row, where the many-row kernel adds a de-quantizing FMA per block (5 rows on AVX2: 3 + 2 few
-  // rows ran 13.5 ms a pass of the bundled model's linears, 4 + 1 many rows 17.2). Exactly
-  // many_rows rows are one many-row block.
+  // row, where the many-row kernel adds a de-quantizing FMA per block (5 rows of the bundled
+  // model's 4-bit linears on AVX2, before q8_gemm took them: 3 + 2 few rows ran 13.5 ms a pass,
+  // 4 + 1 many rows 17.2). Exactly many_rows rows are one many-row block.
   const bool few = M <= few_rows<V>() || (M != many_rows<V>() && M <= 2 * few_rows<V>());
   std::vector<float> xsum;
   if (few && Bits == 4) xsum = group_sums<V>(x, xs, M, K, G);
