@@ -13,6 +13,7 @@ cache. The factors come as plain values: an engine's are assembled on the worker
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import hashlib
 import importlib
@@ -64,7 +65,8 @@ def config_fingerprint(module_name: str) -> dict[str, Any]:
     if module is not None:
         for name, entry in getattr(module, "_config", {}).items():
             value = getattr(entry, "user_override", _UNSET_SENTINEL)
-            value = value.get() if hasattr(value, "get") else value  # a ContextVar in torch 2.13, a value in older ones
+            if isinstance(value, contextvars.ContextVar):  # torch 2.13; a plain value (a dict, say) in older ones
+                value = value.get(_UNSET_SENTINEL)
             if not name.startswith("_") and name not in APPLIED_SETTINGS and value is not _UNSET_SENTINEL \
                     and value != entry.default:
                 overrides[name] = repr(value)

@@ -65,3 +65,32 @@ def test_a_docstring_that_swallows_lines_does_not_hide_the_imports_after_it(tmp_
     (pkg / "hidden.py").write_text("")
     closure = import_closure(SourceTree({"pkg": pkg}), [pkg / "root.py"], leaves=set())
     assert {p.relative_to(pkg).as_posix() for p in closure} == {"root.py", "hidden.py"}
+
+
+def test_config_values_are_read_from_context_variables_and_plain_values(monkeypatch):
+    """torch 2.13 keeps a config entry's override in a ContextVar, older releases as the value
+    itself, which may be a dict (torch 2.11's Inductor has dict settings: `.get()` is not a
+    ContextVar's there)."""
+    import contextvars
+    import sys
+    import types
+    from dataclasses import dataclass
+    from typing import Any
+
+    from torch.utils._config_module import _UNSET_SENTINEL
+
+    from compiled_llm.compilation.cache_key import config_fingerprint
+
+    @dataclass
+    class Entry:
+        default: Any
+        user_override: Any = _UNSET_SENTINEL
+
+    var = contextvars.ContextVar("override", default=_UNSET_SENTINEL)
+    var.set(7)
+    module = types.ModuleType("torch._inductor.config")
+    module._config = {"as_dict": Entry({}, {"fused": True}), "in_var": Entry(1, var), "unset": Entry(3),
+                      "same": Entry({"a": 1}, {"a": 1}), "cpp.vec_isa_ok": Entry(None, True)}
+    monkeypatch.setitem(sys.modules, "torch._inductor.config", module)
+    assert config_fingerprint("torch._inductor.config")["set_in_process"] == {"as_dict": "{'fused': True}",
+                                                                              "in_var": "7"}
