@@ -20,6 +20,9 @@ class BatchDescriptor(NamedTuple):
     num_tokens: int
     num_reqs: int | None = None
     uniform: bool = False
+    # Uniform batches: every request's query tokens (1 for plain decode, 1 + k for a verification
+    # of k drafts each), so a FULL graph's attention launch is fixed by the descriptor alone.
+    query_len: int | None = None
 
 
 @dataclass

@@ -327,13 +327,15 @@ class EngineArgs(CliArgs):
         )
 
     def _draft_model_config(self, spec: SpeculativeConfig, target: ModelConfig, device: torch.device) -> ModelConfig:
-        """The draft model's config: the target's dtype setting and length, its own weight format;
-        it must share the target's vocabulary (its proposals are the target's token ids)."""
+        """The draft model's config: the target's dtype setting, length and load format (random
+        weights for both under `dummy`, the same ones where the draft is the target's folder), its
+        own weight format; it must share the target's vocabulary (its proposals are the target's
+        token ids)."""
         assert spec.model is not None
         if self.tensor_parallel_size > 1:
             raise ValueError("speculative_config: method draft_model runs with tensor_parallel_size 1 only.")
         draft = ModelConfig.from_folder(spec.model, self.dtype, device, target.max_model_len, seed=self.seed,
-                                        quantization=spec.quantization)
+                                        load_format=self.load_format, quantization=spec.quantization)
         if draft.vocab_size != target.vocab_size:
             raise ValueError(f"speculative_config: the draft model {spec.model} has a vocabulary of {draft.vocab_size} "
                              f"tokens, the target {target.vocab_size}: a draft must share the target's tokenizer.")

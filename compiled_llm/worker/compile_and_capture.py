@@ -59,17 +59,20 @@ def capture_cudagraphs(
     config: CompilationConfig,
     max_num_tokens: int,
     max_num_reqs: int,
+    uniform_query_lens: tuple[int, ...] = (1,),
+    name: str = "model",
 ) -> tuple[Callable[..., torch.Tensor], CudagraphDispatcher]:
     """Capture every graph the dispatcher can pick, largest first, into one memory pool. Returns
     the forward to call from now on (wrapped in a FULL graph wrapper when the mode has full
-    graphs) and the dispatcher that picks each step's graph."""
+    graphs) and the dispatcher that picks each step's graph. `uniform_query_lens`: the query
+    lengths uniform batches get FULL graphs for (1, and 1 + k under speculation)."""
     from compiled_llm.compilation.counters import counters
     from compiled_llm.compilation.cuda_graph import CUDAGraphWrapper, capture_phase
 
     sizes = [s for s in config.cudagraph_capture_sizes if s <= max_num_tokens]
-    dispatcher = CudagraphDispatcher(sizes, config.cudagraph_mode, max_num_reqs)
+    dispatcher = CudagraphDispatcher(sizes, config.cudagraph_mode, max_num_reqs, uniform_query_lens)
     if config.cudagraph_mode.has_full_cudagraphs():
-        model_forward = CUDAGraphWrapper(model_forward, CUDAGraphMode.FULL, name="model")
+        model_forward = CUDAGraphWrapper(model_forward, CUDAGraphMode.FULL, name=name)
     started, captured = time.perf_counter(), counters.num_cudagraph_captured
     free_before = torch.cuda.mem_get_info()[0]
     with torch.inference_mode(), capture_phase():
@@ -79,8 +82,8 @@ def capture_cudagraphs(
                 model_forward(*inputs.model_args(descriptor.num_tokens))
     torch.cuda.synchronize()
     logger.info(
-        "CUDA graphs (%s): %d captured for %d sizes up to %d tokens in %.2f s, using %.2f GiB.",
-        config.cudagraph_mode.name, counters.num_cudagraph_captured - captured, len(sizes), max(sizes, default=0),
+        "CUDA graphs (%s) of the %s: %d captured for %d sizes up to %d tokens in %.2f s, using %.2f GiB.",
+        config.cudagraph_mode.name, name, counters.num_cudagraph_captured - captured, len(sizes), max(sizes, default=0),
         time.perf_counter() - started, (free_before - torch.cuda.mem_get_info()[0]) / (1 << 30),
     )
     return model_forward, dispatcher

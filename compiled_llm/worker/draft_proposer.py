@@ -19,9 +19,11 @@ proposal keeps the rejection sampler's rule (accept with the target's p(d), else
 d) exact for sampling too. Nothing the draft computes can change an output, only how many tokens a
 verification accepts.
 
-The draft is compiled like the target, into its own compile-cache entry (`role: draft`), and is
-not captured in CUDA graphs. It lives with the runner (it runs a model), not in spec_decode/, whose
-proposers are pure functions of a request's tokens.
+The draft is compiled like the target, into its own compile-cache entry (`role: draft`), and at
+-O2 on a GPU captured in CUDA graphs like it: its one-token steps (every draft after the first) as
+FULL graphs of uniform decode batches, the catch-up forwards as PIECEWISE ones. It lives with the
+runner (it runs a model), not in spec_decode/, whose proposers are pure functions of a request's
+tokens.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from compiled_llm.compilation.forward_context import set_forward_context
+from compiled_llm.compilation.config import CUDAGraphMode
+from compiled_llm.compilation.cudagraph_dispatcher import CudagraphDispatcher
+from compiled_llm.compilation.forward_context import BatchDescriptor, set_forward_context
 from compiled_llm.config import EngineConfig
 from compiled_llm.kernels.cpu_extension import uses_cpu_kernels
 from compiled_llm.logger import init_logger
@@ -41,7 +45,7 @@ from compiled_llm.models.layers.attention import Attention
 from compiled_llm.models.loader import build_model
 from compiled_llm.worker import kv_cache_sizing
 from compiled_llm.worker.cache_factors import engine_compile_cache
-from compiled_llm.worker.compile_and_capture import compile_model, compile_summary
+from compiled_llm.worker.compile_and_capture import capture_cudagraphs, compile_model, compile_summary
 from compiled_llm.worker.input_batch import InputBatch
 from compiled_llm.worker.step_inputs import StepInputs
 
@@ -57,14 +61,16 @@ class DraftModelProposer:
         self.device = config.torch_device
         self.block_size = config.cache_config.block_size
         self.max_num_tokens = config.scheduler_config.max_num_batched_tokens
+        self.max_num_reqs = config.scheduler_config.max_num_seqs
         started = time.perf_counter()
         self.model = build_model(mc, self.device, cpu_kernels=uses_cpu_kernels(self.device, mc.dtype))
         self.load_seconds = time.perf_counter() - started
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.num_kv_heads = self.attention_layers[0].num_kv_heads
-        self.inputs = StepInputs(self.max_num_tokens, config.scheduler_config.max_num_seqs, max_blocks_per_req,
-                                 self.block_size, self.device)
+        self.inputs = StepInputs(self.max_num_tokens, self.max_num_reqs, max_blocks_per_req, self.block_size,
+                                 self.device)
         self.forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self.model.forward
+        self.dispatcher: CudagraphDispatcher | None = None  # set when CUDA graphs are captured
         # Per batch row: the known tokens before num_computed_tokens that the draft has not run (0 or 1).
         self.lag = np.zeros(num_rows, dtype=np.int64)
         logger.info("Draft model %s: %d layers, loaded in %.2f s.", mc.model, mc.num_layers, self.load_seconds)
@@ -86,6 +92,13 @@ class DraftModelProposer:
                                  engine_compile_cache(self.config, 0, role="draft"), self.max_num_tokens)
         self.forward = compiled
         return compile_summary(compiled, 0)
+
+    def capture_cudagraphs(self) -> None:
+        """-O2 on a GPU, after `compile` (the runner decides): capture the draft's graphs."""
+        self.forward, self.dispatcher = capture_cudagraphs(
+            self.forward, self.inputs, self.config.compilation_config, self.max_num_tokens, self.max_num_reqs,
+            name="draft model",
+        )
 
     # ---- one step --------------------------------------------------------------------------------
     def reset_row(self, row: int) -> None:
@@ -142,10 +155,14 @@ class DraftModelProposer:
     def _forward_chunk(self, batch: InputBatch, rows: np.ndarray, start: np.ndarray, count: np.ndarray,
                        want: np.ndarray, chunk: np.ndarray) -> dict[int, int]:
         n = count[chunk]
-        metadata, _ = self.inputs.prepare(batch, rows[chunk], n, int(np.count_nonzero(n == 1)), int(n.sum()),
-                                          len(chunk), computed=start[chunk])
-        with set_forward_context(metadata):
-            hidden = self.forward(*self.inputs.model_args(int(n.sum())))
+        total = int(n.sum())
+        mode, descriptor = CUDAGraphMode.NONE, BatchDescriptor(total, len(chunk))
+        if self.dispatcher is not None:
+            mode, descriptor = self.dispatcher.dispatch(total, bool((n == n[0]).all()), int(n[0]))
+        metadata, _ = self.inputs.prepare(batch, rows[chunk], n, int(np.count_nonzero(n == 1)), descriptor.num_tokens,
+                                          descriptor.num_reqs or len(chunk), computed=start[chunk])
+        with set_forward_context(metadata, mode, descriptor if self.dispatcher is not None else None):
+            hidden = self.forward(*self.inputs.model_args(descriptor.num_tokens))
         picked = np.flatnonzero(want[chunk])
         if not len(picked):
             return {}

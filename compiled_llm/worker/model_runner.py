@@ -265,8 +265,9 @@ class ModelRunner:
         total = int(num_sched.sum())
         num_decodes = int(np.count_nonzero(num_sched == 1))  # sorted first
         mode, descriptor = CUDAGraphMode.NONE, None
-        if self.dispatcher is not None:
-            mode, descriptor = self.dispatcher.dispatch(total, num_decodes == len(req_ids))
+        if self.dispatcher is not None:  # uniform: every request has the same query length
+            query_len = int(num_sched[0])
+            mode, descriptor = self.dispatcher.dispatch(total, bool((num_sched == query_len).all()), query_len)
         padded_tokens = descriptor.num_tokens if descriptor is not None else total
         padded_reqs = descriptor.num_reqs if descriptor is not None and descriptor.num_reqs else len(req_ids)
         if self.drafter is not None:  # its drafts replace the scheduler's placeholders
@@ -484,9 +485,14 @@ class ModelRunner:
         if self.config.compilation_config.level:
             self.compile()
         if self.captures_cudagraphs:
+            spec = self.speculative_config  # full-length verifications get FULL graphs too
+            query_lens = (1,) if spec is None else (1, 1 + spec.num_speculative_tokens)
             self.model_forward, self.dispatcher = capture_cudagraphs(
-                self.model_forward, self.inputs, self.config.compilation_config, self.max_num_tokens, self.max_num_reqs
+                self.model_forward, self.inputs, self.config.compilation_config, self.max_num_tokens,
+                self.max_num_reqs, query_lens,
             )
+            if self.drafter is not None:
+                self.drafter.capture_cudagraphs()
 
     @property
     def captures_cudagraphs(self) -> bool:
