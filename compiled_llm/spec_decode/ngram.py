@@ -3,8 +3,10 @@
 The index maps every n-gram of the request's tokens (for each n in [min_n, max_n]) to where the
 token after its latest occurrence sits. It grows by one entry per n as each token is appended, so a
 proposal is a handful of dict lookups: no step scans the whole context. The last n tokens of the
-request are looked up from the longest n down: the first hit proposes up to k tokens that followed
-that earlier occurrence (fewer where the context ends first).
+request are looked up from the longest n down: the first hit proposes the k tokens that followed
+that earlier occurrence. Where the context ends before k tokens followed it, the text is taken to
+repeat with the period it has shown (the occurrence's distance from the end), as a copy would: a
+generation stuck in a loop of d tokens gets k drafts, not d.
 """
 
 from __future__ import annotations
@@ -38,11 +40,15 @@ class NgramIndex:
             tokens.append(token)
 
     def propose(self, k: int) -> list[int]:
-        """Up to `k` tokens that followed the latest earlier occurrence of the longest suffix n-gram."""
+        """The `k` tokens that followed the latest earlier occurrence of the longest suffix n-gram,
+        repeated with their period where the context ends first; [] without an occurrence."""
         tokens = self.tokens
         length = len(tokens)
         for n in range(min(self.max_n, length), self.min_n - 1, -1):
             start = self._last_start.get(tuple(tokens[length - n :]))
             if start is not None:
-                return tokens[start : start + k]
+                if start + k <= length:
+                    return tokens[start : start + k]
+                period = tokens[start:]  # never empty: an occurrence is registered once a token follows it
+                return (period * (k // len(period) + 1))[:k]
         return []

@@ -10,13 +10,17 @@ from compiled_llm.spec_decode.ngram import NgramIndex
 
 def brute_force(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
     """For n from max_n down to min_n: the latest start i with tokens[i:i+n] equal to the last n
-    tokens and a token after it (i + n < len), proposing tokens[i+n : i+n+k]."""
+    tokens and a token after it (i + n < len), proposing the k tokens from i+n on, where position
+    j >= len reads position j - (len - i - n) (the text repeating with that period)."""
     length = len(tokens)
     for n in range(min(max_n, length), min_n - 1, -1):
         suffix = tokens[length - n :]
         for i in range(length - n - 1, -1, -1):
             if tokens[i : i + n] == suffix:
-                return tokens[i + n : i + n + k]
+                extended = list(tokens)
+                for j in range(length, i + n + k):
+                    extended.append(extended[j - (length - i - n)])
+                return extended[i + n : i + n + k]
     return []
 
 
@@ -46,6 +50,8 @@ def test_proposes_what_followed_the_latest_occurrence():
     index = NgramIndex(1, 3, [7, 8, 9, 1, 7, 8, 9, 2, 7, 8])
     assert index.propose(3) == [9, 2, 7]  # "7 8" last seen at 4-5, followed by 9 2 7
     index.extend([9])
-    assert index.propose(5) == [2, 7, 8, 9]  # "7 8 9" at 4-6: the context ends after four tokens
+    # "7 8 9" at 4-6, followed by 2 7 8 9 and the end: the four-token loop goes on.
+    assert index.propose(6) == [2, 7, 8, 9, 2, 7]
+    assert NgramIndex(2, 4, [5, 5, 5]).propose(4) == [5, 5, 5, 5]  # a one-token loop: k drafts, not 1
     assert NgramIndex(2, 2, [1, 2, 3]).propose(2) == []  # "2 3" never came before
     assert NgramIndex(1, 1, []).propose(2) == []

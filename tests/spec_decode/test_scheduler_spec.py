@@ -77,11 +77,12 @@ def test_stops_apply_to_each_accepted_token_in_order():
 def test_min_tokens_hold_back_eos_inside_an_accepted_run():
     s = make_scheduler(k=4)
     r = add(s, "a", [3, EOS, 5], min_tokens=3)
-    step(s, next_token=lambda rid: 3)  # output 1: 3; what followed "3" before: EOS 5 3
+    step(s, next_token=lambda rid: 3)  # output 1: 3; what followed "3" before: EOS 5 3, and so on
     out, results = step(s, next_token=lambda rid: 8)
-    assert out.scheduled_spec_decode_tokens == {"a": [EOS, 5, 3]}
-    assert results[0].finish_reason is None and results[0].new_token_ids == [EOS, 5, 3, 8]  # EOS was output 2
-    assert r.num_computed_tokens == r.num_tokens - 1
+    assert out.scheduled_spec_decode_tokens == {"a": [EOS, 5, 3, EOS]}
+    # Output 2 (EOS) is held back by min_tokens; output 5, the same EOS past min_tokens, ends the request.
+    assert results[0].new_token_ids == [EOS, 5, 3, EOS] and results[0].finish_reason == "stop"
+    assert r.status == RequestStatus.FINISHED_STOPPED and s.kv.pool.num_free_blocks == 63
 
 
 def test_drafts_fit_the_budget_and_max_model_len():
