@@ -8,6 +8,10 @@
 #            weights against the torch reference and in a CUDA graph, fp8's torch._scaled_mm layers, and
 #            -O2 against eager for int4 and fp8 models (up to 2.5 minutes: each kernel variant compiles once;
 #            GPU_CHECK_STEPS without it keeps the check within the old 8 minutes);
+#   spec     (issue 24) the `cuda` tests of speculative decoding (n-gram and draft-model greedy equal
+#            to greedy without, verifications and the draft's steps in FULL CUDA graphs), then
+#            benchmarks/gpu_spec_decode.py: batch-1 tok/s with speculation off, n-gram, and the
+#            target as its own draft, with acceptance rates;
 #   profile  benchmarks/gpu_profile.py: -O2 decode steps at batch 1/8/32/64, async and sync scheduling,
 #            and at batch 1/8 with the fusion passes off (before/after): step wall time, GPU kernel time
 #            and busy fraction, kernels per step, top kernels (torch.profiler);
@@ -17,10 +21,11 @@
 #            clients against the offline rate of the same requests, async and sync scheduling;
 #   decode   (not run by default) benchmarks/gpu_decode.py: eager vs -O1 vs -O2 vs HF generate.
 # Then benchmarks/gpu_summary.py prints every figure and issue 13's targets as Markdown.
-# GPU_CHECK_STEPS picks steps (default "tests quant profile peer serve").
+# GPU_CHECK_STEPS picks steps (default "tests quant spec profile serve"; `peer`, HF's figures, and
+# `decode` on request).
 # Results go under $OUT when set (the device tool), else ./gpu_check_out: gpu_check.log (everything
-# printed), profile.json, peer.json, serve.json, server.log, trace_b1.json.gz (Perfetto), summary.md,
-# and decode.json with the decode step: at most 8 files, what the device tool brings back.
+# printed), profile.json, spec.json, peer.json, serve.json, server.log, trace_b1.json.gz (Perfetto),
+# summary.md (and decode.json with the decode step): at most 8 files, what the device tool brings back.
 # Without a GPU it runs too: the cuda tests skip and each benchmark runs a small CPU smoke version,
 # with its time boxes 4 times as long (this machine compiles slower than the GPU machine's 16 cores).
 # The GPU image lacks msgspec, pyzmq and the server's packages: run benchmarks/fetch_gpu_wheels.sh
@@ -52,7 +57,7 @@ CACHE="$COMPILED_LLM_CACHE/gpu-check"  # one compile cache for precompile, profi
 if python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then scale=1; else scale=4; fi
 
 status=0
-steps=" ${GPU_CHECK_STEPS:-tests quant profile peer serve} "
+steps=" ${GPU_CHECK_STEPS:-tests quant spec profile serve} "
 wants() { [[ "$steps" == *" $1 "* ]]; }
 
 # run_step NAME BOX_SECONDS COMMAND...: the command under `timeout`, its output into the log.
@@ -75,7 +80,7 @@ budget() { echo $(( $1 * scale * 85 / 100 )); }
 # for: `compiled-llm precompile` of the SmolLM2-shaped model fills the compile cache that profile
 # and serve share, and the HF peer's first compiled calls fill Inductor's on-disk caches.
 background=()
-if wants profile || wants serve; then
+if wants profile || wants serve || wants spec; then
   model=$(python3 benchmarks/gpu_workload.py /tmp/gpu-check-model)
   timeout $(( 130 * scale )) python3 -m compiled_llm.entrypoints.cli precompile "$model" --load-format dummy \
     --compile-cache "$CACHE" > /tmp/gpu-check-precompile.log 2>&1 &
@@ -107,6 +112,12 @@ for job in ${background[@]+"${background[@]}"}; do
   { echo "===== $name (in the background): exit $rc, waited $(( SECONDS - t )) s for it"
     grep -E "Compil|Precompile|tok/s|Error|error|skipped" "$log" | tail -6; } | tee -a "$LOG"
 done
+if wants spec; then
+  run_step spec-tests 150 python3 -m pytest -q -rfE --tb=short -m cuda -p no:cacheprovider \
+    tests/spec_decode/test_cuda_spec.py
+  run_step spec 150 python3 benchmarks/gpu_spec_decode.py --json "$OUT/spec.json" --compile-cache "$CACHE" \
+    --budget-s "$(budget 150)"
+fi
 if wants profile; then
   run_step profile 100 python3 benchmarks/gpu_profile.py --json "$OUT/profile.json" --trace "$OUT/trace_b1.json.gz" \
     --compile-cache "$CACHE" --budget-s "$(budget 100)"

@@ -121,13 +121,30 @@ def top_kernels(data: dict[str, dict[str, Any]], key: str = "async/b1", count: i
     return lines
 
 
+def spec_table(data: dict[str, dict[str, Any]]) -> list[str]:
+    """gpu_spec_decode.py's rows: batch-1 tok/s per engine and prompt, against speculation off."""
+    rows = data["spec"].get("results", {})
+    if not rows:
+        return ["(no speculative-decoding figures)"]
+    lines = ["| engine | prompt | tok/s | vs off | acceptance | mean accepted length |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for name, row in rows.items():
+        engine, prompt = name.split("/", 1)
+        off = rows.get(f"off/{prompt}", {}).get("tokens_per_s")
+        ratio = f"{row['tokens_per_s'] / off:.2f}x" if off else "-"
+        acceptance = f"{row['acceptance']:.0%}" if row.get("acceptance") is not None else "-"
+        length = f"{row['mean_accepted_length']:.2f}" if row.get("mean_accepted_length") is not None else "-"
+        lines.append(f"| {engine} | {prompt} | {row['tokens_per_s']:,.1f} | {ratio} | {acceptance} | {length} |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("folder", help="where profile.json, peer.json and serve.json are")
     parser.add_argument("--markdown", default=None, help="also write the summary here")
     args = parser.parse_args()
     folder = Path(args.folder)
-    data = {name: load(folder, name) for name in ("profile", "peer", "serve")}
+    data = {name: load(folder, name) for name in ("profile", "peer", "serve", "spec")}
     head = next((d for d in data.values() if d), {})
     lines = [f"## GPU check summary ({head.get('device', 'no results')}, torch {head.get('torch', '-')}"
              f", transformers {data['peer'].get('transformers', '-')})", "",
@@ -135,6 +152,9 @@ def main() -> None:
              "HF: gpu_hf_peer.py):", ""]
     lines += decode_table(data) + ["", "Serve vs offline, output tokens/s (gpu_serve.py):", ""]
     lines += serve_table(data) + ["", "Issue 13's targets:", ""] + targets_table(data) + [""] + top_kernels(data)
+    lines += ["", f"Speculative decoding at batch 1 (gpu_spec_decode.py: -O{data['spec'].get('level', '-')}, "
+              f"k={data['spec'].get('k', '-')}, {data['spec'].get('max_tokens', '-')} new tokens):", ""]
+    lines += spec_table(data)
     for name, d in data.items():
         for what in d.get("skipped", []):
             lines.append(f"- {name}: skipped {what}")
