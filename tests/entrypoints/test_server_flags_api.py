@@ -1,6 +1,7 @@
 """Server flags vLLM users pass and what they change, against a real server (a tiny random model:
 nothing here depends on what the model says): `--chat-template` with the content format it reads,
-GET /tokenizer_info, GET /load, SageMaker's POST /invocations and /ping."""
+GET /tokenizer_info, GET /load, SageMaker's POST /invocations and /ping, and
+`--enable-force-include-usage` (on its own server, as it changes every stream)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import time
 import httpx
 import pytest
 from conftest import TINY_CHAT_TEMPLATE as TEMPLATE
+from remote_server import RemoteServer
 
 openai = pytest.importorskip("openai")
 
@@ -100,3 +102,32 @@ def test_invocations_dispatches_by_body(server):
     assert bad_json.status_code == 400 and "JSON decode error" in bad_json.json()["error"]["message"]
     assert httpx.get(server.url + "/ping", timeout=TIMEOUT).status_code == 200
     assert httpx.post(server.url + "/ping", timeout=TIMEOUT).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def force_usage_server(tiny_llama, tmp_path_factory):
+    template = tmp_path_factory.mktemp("template") / "chat.jinja"
+    template.write_text(TEMPLATE)
+    server = RemoteServer([tiny_llama, "-O0", "--max-model-len", "512", "--kv-cache-memory-bytes", str(64 << 20),
+                           "--served-model-name", "tiny", "--chat-template", str(template),
+                           "--enable-force-include-usage"])
+    yield server
+    server.stop()
+
+
+def test_force_include_usage_puts_usage_in_every_chunk(force_usage_server):
+    """vLLM's --enable-force-include-usage: streams that asked for no usage carry it in every chunk
+    (running totals), and end with a usage-only chunk, as with include_usage + continuous_usage_stats."""
+    c = client(force_usage_server)
+    chat = list(c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, stream=True,
+                                          extra_body={"ignore_eos": True}))
+    text = list(c.completions.create(model="tiny", prompt="Once", max_tokens=4, stream=True,
+                                     extra_body={"ignore_eos": True}))
+    for chunks in (chat, text):
+        assert all(chunk.usage is not None for chunk in chunks)
+        assert all(ch.usage.total_tokens == ch.usage.prompt_tokens + ch.usage.completion_tokens for ch in chunks)
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
+        counts = [chunk.usage.completion_tokens for chunk in chunks]
+        assert counts == sorted(counts) and counts[0] < 4
+    plain = c.completions.create(model="tiny", prompt="Once", max_tokens=2)
+    assert plain.usage.completion_tokens == 2

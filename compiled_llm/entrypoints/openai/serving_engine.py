@@ -18,7 +18,13 @@ from compiled_llm.engine.tokenizer import TokenTexts
 from compiled_llm.entrypoints.beam_search import BeamSearch, BeamSearchStream
 from compiled_llm.entrypoints.chat_utils import load_chat_template
 from compiled_llm.entrypoints.openai.errors import OpenAIError, engine_dead_message, error_body
-from compiled_llm.entrypoints.openai.protocol import PromptTokensDetails, RequestModel, SamplingRequest, UsageInfo
+from compiled_llm.entrypoints.openai.protocol import (
+    PromptTokensDetails,
+    RequestModel,
+    SamplingRequest,
+    StreamOptions,
+    UsageInfo,
+)
 from compiled_llm.entrypoints.openai.server_args import ServerArgs
 from compiled_llm.entrypoints.openai.serving_models import ServedModels
 from compiled_llm.logger import init_logger
@@ -103,6 +109,8 @@ class OpenAIServing:
         if bad:
             raise OpenAIError(f"logit_bias names token{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))}, "
                               f"out of vocabulary (size {self.engine.processor.vocab_size}).", param="logit_bias")
+        if self.server_args.enable_force_include_usage and request.stream:
+            request.stream_options = StreamOptions(include_usage=True, continuous_usage_stats=True)
 
     def logprobs_count(self, value: int | None, param: str, kind: str = "sample") -> int | None:
         """A request's logprobs count, -1 read as the whole vocabulary (vLLM's meaning), within the
