@@ -42,8 +42,9 @@ def test_span(source: str, test: str) -> tuple[int, int]:
     match = re.search(rf"^(async def|def) {re.escape(test)}\(", source, re.M)
     if not match:
         raise LookupError(f"no test {test}")
-    end = re.search(r"^(@|def |async def |class |[A-Za-z_])", source[match.end():], re.M)
-    return match.start(), match.end() + end.start() if end else len(source)
+    body_start = source.index("\n", match.end()) + 1
+    end = re.compile(r"^(@|def |async def |class |[A-Za-z_])", re.M).search(source, body_start)
+    return match.start(), end.start() if end else len(source)
 
 
 def adapt(source: str, replacements: list[dict], where: str) -> str:

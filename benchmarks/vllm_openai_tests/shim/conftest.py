@@ -51,11 +51,44 @@ def _get_open_port() -> int:
         return s.getsockname()[1]
 
 
+class _HubApi:
+    """`hf_api()` of vLLM's LoRA fixtures: every adapter they download is the bundled model's."""
+
+    def snapshot_download(self, *args, **kwargs) -> str:
+        from tests.utils import bundled_lora
+
+        return bundled_lora()
+
+
+class _ModelConfig:
+    """`ModelConfig(model=...)` as vLLM's tests use it: only to ask the vocabulary size."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def get_vocab_size(self) -> int:
+        import json
+
+        from compiled_llm.bundled_model import bundled_model_path
+
+        with open(bundled_model_path() / "config.json") as f:
+            return json.load(f)["vocab_size"]
+
+
+def _server_version() -> str:
+    """What `/version` reports is this server's own version, so tests compare with that."""
+    from importlib.metadata import version
+
+    return version("compiled-llm")
+
+
 HELPERS: dict[str, dict[str, object]] = {
+    "vllm.transformers_utils.repo_utils": {"hf_api": _HubApi},
+    "vllm.config": {"ModelConfig": _ModelConfig},
     "vllm.tokenizers": {"get_tokenizer": _bundled_tokenizer},
     "vllm.transformers_utils.tokenizer": {"get_tokenizer": _bundled_tokenizer},
     "vllm.utils.network_utils": {"get_open_port": _get_open_port},
-    "vllm.version": {"__version__": "0.32.0", "_prev_minor_version": lambda: "0.31"},
+    "vllm.version": {"__version__": _server_version(), "_prev_minor_version": lambda: "0.31"},
     "vllm.utils.serial_utils": {"EMBED_DTYPES": {"float32": None, "float16": None, "bfloat16": None},
                                 "ENDIANNESS": ["native", "big", "little"]},
 }

@@ -32,6 +32,8 @@ DROPPED = {
     "--load-format": "vLLM's tests load dummy weights; the bundled model is real",
     "--model": "the bundled model is always served",
 }
+# SmolLM2's context: a longer --max-model-len is refused at start-up, so it is clamped.
+MAX_MODEL_LEN = 8192
 
 
 def get_open_port() -> int:
@@ -62,6 +64,8 @@ def map_args(vllm_args: list[str]) -> tuple[list[str], list[str]]:
     while i < len(vllm_args):
         token = vllm_args[i]
         flag, _, inline = token.partition("=")
+        if flag.startswith("--"):
+            flag = "--" + flag[2:].replace("_", "-")  # vLLM's parser takes --max_model_len too
         values = [inline] if inline else []
         j = i + 1
         if not inline:
@@ -69,7 +73,13 @@ def map_args(vllm_args: list[str]) -> tuple[list[str], list[str]]:
                 values.append(vllm_args[j])
                 j += 1
         i = j
+        if flag == "--max-model-len" and values and int(values[0]) > MAX_MODEL_LEN:
+            dropped.append(f"--max-model-len {values[0]} (clamped to {MAX_MODEL_LEN})")
+            values = [str(MAX_MODEL_LEN)]
         if flag in ours_flags and flag not in DROPPED:
+            if flag in kept and values:  # a repeated flag: the last one wins, as in vLLM's parser
+                at = kept.index(flag)
+                del kept[at:at + 2]
             kept += [flag, *values] if ours_flags[flag] != 0 or not values else [flag]
         else:
             dropped.append(" ".join([flag, *values]))
