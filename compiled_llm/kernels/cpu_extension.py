@@ -1,5 +1,6 @@
 """Builds and loads the C++ CPU kernels (kernels/csrc: paged decode and prefill attention, the
-packed-weight linear, linears over quantized and 16-bit weights, batched LoRA) once per machine.
+packed-weight linear, linears over quantized and 16-bit weights, batched LoRA, the logits' row-wise
+argmax) once per machine.
 
 The build (about a minute) lands under the user cache dir, keyed by the sources, the torch version
 and the CPU's feature flags, and is shared by every later process on the machine. Without a
@@ -21,7 +22,7 @@ logger = logging.getLogger("compiled_llm.kernels")
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / "cpu_attention.cpp", _CSRC / "cpu_prefill_attention.cpp", _CSRC / "cpu_attention_step.cpp",
             _CSRC / "cpu_gemm.cpp", _CSRC / "cpu_quant_gemm.cpp", _CSRC / "cpu_half_gemm.cpp",
-            _CSRC / "cpu_lora.cpp"]
+            _CSRC / "cpu_lora.cpp", _CSRC / "cpu_argmax.cpp"]
 _HEADERS = [_CSRC / "simd.h", _CSRC / "parallel.h", _CSRC / "vec.h", _CSRC / "huge_pages.h", _CSRC / "panel_gemm.h",
             _CSRC / "widen.h"]
 # -march=native: the kernels pick their vector width (AVX2 or AVX-512) from the CPU they are built

@@ -47,6 +47,7 @@ from compiled_llm.worker import kv_cache_sizing
 from compiled_llm.worker.cache_factors import engine_compile_cache
 from compiled_llm.worker.compile_and_capture import capture_cudagraphs, compile_model, compile_summary
 from compiled_llm.worker.input_batch import InputBatch
+from compiled_llm.worker.sampler import argmax_rows
 from compiled_llm.worker.step_inputs import StepInputs
 
 logger = init_logger(__name__)
@@ -168,4 +169,4 @@ class DraftModelProposer:
             return {}
         ends = metadata.query_start_loc_cpu[1:][picked] - 1
         logits = self.model.compute_logits(hidden[torch.from_numpy(ends).to(self.device)])
-        return dict(zip(chunk[picked].tolist(), logits.argmax(dim=-1).tolist()))
+        return dict(zip(chunk[picked].tolist(), argmax_rows(logits).tolist()))

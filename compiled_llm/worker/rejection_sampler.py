@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from compiled_llm.worker.sampler import _EPS, Sampler, SamplingMetadata, SeededRNG
+from compiled_llm.worker.sampler import _EPS, Sampler, SamplingMetadata, SeededRNG, argmax_rows
 
 
 @dataclass
@@ -64,7 +64,7 @@ class RejectionSampler:
         draft_j = np.arange(int(num_drafts.sum())) - np.repeat(np.cumsum(num_drafts) - num_drafts, num_drafts)
         draft_pos = torch.from_numpy(starts[draft_req] + draft_j).to(device)
 
-        greedy = logits.argmax(dim=-1)
+        greedy = argmax_rows(logits)
         probs = None
         accept = greedy[draft_pos] == draft_ids
         if not meta.all_greedy:
