@@ -24,8 +24,9 @@
 # GPU_CHECK_STEPS picks steps (default "tests quant spec profile serve"; `peer`, HF's figures, and
 # `decode` on request).
 # Results go under $OUT when set (the device tool), else ./gpu_check_out: gpu_check.log (everything
-# printed), profile.json, spec.json, peer.json, serve.json, server.log, trace_b1.json.gz (Perfetto),
-# summary.md (and decode.json with the decode step): at most 8 files, what the device tool brings back.
+# printed), profile.json, spec.json, serve.json, server.log, trace_b1.json.gz and trace_b1_sync.json.gz
+# (Perfetto), summary.md: 8 files, what the device tool brings back (peer.json and decode.json
+# with those steps: run them in a call of their own).
 # Without a GPU it runs too: the cuda tests skip and each benchmark runs a small CPU smoke version,
 # with its time boxes 4 times as long (this machine compiles slower than the GPU machine's 16 cores).
 # The GPU image lacks msgspec, pyzmq and the server's packages: run benchmarks/fetch_gpu_wheels.sh
