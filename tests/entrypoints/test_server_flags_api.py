@@ -1,7 +1,8 @@
 """Server flags vLLM users pass and what they change, against a real server (a tiny random model:
 nothing here depends on what the model says): `--chat-template` with the content format it reads,
 GET /tokenizer_info, GET /load, SageMaker's POST /invocations and /ping, and
-`--enable-force-include-usage` (on its own server, as it changes every stream)."""
+`--enable-force-include-usage` and `--return-tokens-as-token-ids` (on their own server, as they
+change every response)."""
 
 from __future__ import annotations
 
@@ -110,7 +111,7 @@ def force_usage_server(tiny_llama, tmp_path_factory):
     template.write_text(TEMPLATE)
     server = RemoteServer([tiny_llama, "-O0", "--max-model-len", "512", "--kv-cache-memory-bytes", str(64 << 20),
                            "--served-model-name", "tiny", "--chat-template", str(template),
-                           "--enable-force-include-usage"])
+                           "--enable-force-include-usage", "--return-tokens-as-token-ids"])
     yield server
     server.stop()
 
@@ -131,3 +132,16 @@ def test_force_include_usage_puts_usage_in_every_chunk(force_usage_server):
         assert counts == sorted(counts) and counts[0] < 4
     plain = c.completions.create(model="tiny", prompt="Once", max_tokens=2)
     assert plain.usage.completion_tokens == 2
+
+
+def test_return_tokens_as_token_ids_flag_is_each_requests_default(force_usage_server):
+    c = client(force_usage_server)
+    out = c.completions.create(model="tiny", prompt="Once", max_tokens=3, logprobs=1,
+                               extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert out.choices[0].logprobs.tokens == [f"token_id:{t}" for t in out.choices[0].token_ids]
+    chat = c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3, logprobs=True,
+                                     extra_body={"ignore_eos": True})
+    assert all(entry.token.startswith("token_id:") for entry in chat.choices[0].logprobs.content)
+    own = c.completions.create(model="tiny", prompt="Once", max_tokens=3, logprobs=1,
+                               extra_body={"ignore_eos": True, "return_tokens_as_token_ids": False})
+    assert not any(token.startswith("token_id:") for token in own.choices[0].logprobs.tokens)

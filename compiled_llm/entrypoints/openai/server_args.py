@@ -51,6 +51,9 @@ class ServerArgs(CliArgs):
     enable_prompt_tokens_details: bool = setting(
         False, "Give usage.prompt_tokens_details (cached_tokens: prompt tokens served from the prefix cache) in "
         "responses; off by default, as vLLM (clients that compare usage objects expect none).", group=SERVER)
+    return_tokens_as_token_ids: bool = setting(
+        False, 'Name each logprobs token "token_id:<id>" in every response, for requests that do not set '
+        "return_tokens_as_token_ids themselves (vLLM's flag).", group=SERVER)
     enable_force_include_usage: bool = setting(
         False, "Put usage in every streamed chunk of every completion and chat completion, as if each request "
         "asked for stream_options include_usage and continuous_usage_stats (vLLM's flag).", group=SERVER)

@@ -109,6 +109,8 @@ class OpenAIServing:
         if bad:
             raise OpenAIError(f"logit_bias names token{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))}, "
                               f"out of vocabulary (size {self.engine.processor.vocab_size}).", param="logit_bias")
+        if request.return_tokens_as_token_ids is None:
+            request.return_tokens_as_token_ids = self.server_args.return_tokens_as_token_ids
         if self.server_args.enable_force_include_usage and request.stream:
             request.stream_options = StreamOptions(include_usage=True, continuous_usage_stats=True)
 
