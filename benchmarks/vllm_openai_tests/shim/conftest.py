@@ -85,6 +85,7 @@ def _server_version() -> str:
 HELPERS: dict[str, dict[str, object]] = {
     "vllm.transformers_utils.repo_utils": {"hf_api": _HubApi},
     "vllm.config": {"ModelConfig": _ModelConfig},
+    "vllm.envs": {"VLLM_USE_RUST_FRONTEND": False},
     "vllm.tokenizers": {"get_tokenizer": _bundled_tokenizer},
     "vllm.transformers_utils.tokenizer": {"get_tokenizer": _bundled_tokenizer},
     "vllm.utils.network_utils": {"get_open_port": _get_open_port},
