@@ -11,6 +11,7 @@ their reason.
 from __future__ import annotations
 
 import fnmatch
+import importlib
 import importlib.abc
 import importlib.machinery
 import json
@@ -100,8 +101,8 @@ class _StubModule(types.ModuleType):
         if name.startswith("__"):
             raise AttributeError(name)
         full = f"{self.__name__}.{name}"
-        if full in sys.modules:
-            return sys.modules[full]
+        if full in sys.modules or full in HELPERS:  # `from vllm import envs`: the submodule, with its helpers
+            return importlib.import_module(full)
         stub = _StubMeta(name, (), {"__module__": self.__name__})
         setattr(self, name, stub)
         return stub
