@@ -78,6 +78,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # vLLM's logprob_token_ids: the logprobs of these token ids at each step, in place of the top
     # `logprobs` alternatives (the first `logprobs` of them; a fixed label set, as classifiers score).
     logprob_token_ids: list[int] | None = None
+    # vLLM's allowed_token_ids: sampling (greedy too) chooses among these ids only; logprobs stay
+    # the model's own, computed before the restriction.
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -139,6 +142,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 raise bad("logprobs", "must be set with logprob_token_ids (how many of them to return)")
             if self.logprobs > len(ids):
                 raise bad("logprobs", f"must be at most the number of logprob_token_ids ({len(ids)})")
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not ids or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= _INT64_MAX for t in ids):
+                raise bad("allowed_token_ids", "must be a non-empty list of non-negative token ids")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise bad("stop", "must hold non-empty strings")
         if any(not isinstance(t, int) or not 0 <= t <= _INT64_MAX for t in self.stop_token_ids):
@@ -164,9 +171,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         bad = [t for t in self.logit_bias or {} if t >= vocab_size]
         if bad:
             raise ValueError(f"logit_bias holds token id {bad[0]}, outside the vocabulary (size {vocab_size}).")
-        bad = [t for t in self.logprob_token_ids or () if t >= vocab_size]
-        if bad:
-            raise ValueError(f"logprob_token_ids holds token id {bad[0]}, out of vocabulary (size {vocab_size}).")
+        for field in ("logprob_token_ids", "allowed_token_ids"):
+            bad = [t for t in getattr(self, field) or () if t >= vocab_size]
+            if bad:
+                raise ValueError(f"{field} holds token id {bad[0]}, out of vocabulary (size {vocab_size}).")
         k = self.prompt_logprobs
         if k is not None and max_logprobs >= 0 and (k == -1 or k > max_logprobs):
             wanted = "the whole vocabulary (-1)" if k == -1 else k

@@ -60,6 +60,11 @@ class SamplingMetadata:
     # ids padded with its last one), not the top k; None when nobody asks.
     chosen_logprob_rows: torch.Tensor | None = None
     chosen_logprob_ids: torch.Tensor | None = None
+    # allowed_token_ids: rows [A] restricted to some tokens, and (index into those rows, token id)
+    # pairs of what each may sample; None when nobody asks.
+    allowed_rows: torch.Tensor | None = None
+    allowed_at: torch.Tensor | None = None
+    allowed_token_ids: torch.Tensor | None = None
 
 
 _cpu_argmax: Callable[[torch.Tensor], torch.Tensor] | None = None  # set once the C++ kernels are loaded
@@ -104,6 +109,12 @@ class Sampler:
         logits = self.apply_penalties(logits, meta)
         if meta.banned_rows is not None:
             logits[meta.banned_rows, meta.banned_token_ids] = float("-inf")
+        if meta.allowed_rows is not None:  # every other token of those rows to -inf
+            assert meta.allowed_at is not None and meta.allowed_token_ids is not None
+            keep = torch.full((len(meta.allowed_rows), logits.shape[1]), float("-inf"), dtype=logits.dtype,
+                              device=logits.device)
+            keep[meta.allowed_at, meta.allowed_token_ids] = 0.0
+            logits.index_add_(0, meta.allowed_rows, keep)
         return logits
 
     @staticmethod

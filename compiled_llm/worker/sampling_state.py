@@ -38,6 +38,9 @@ class SamplingState:
         self.has_logit_bias = np.zeros(n, dtype=bool)
         self.logit_bias_ids: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * n
         self.logit_bias_values: list[np.ndarray] = [np.zeros(0, dtype=np.float32)] * n
+        # allowed_token_ids: the only tokens a row may sample (sorted, unique).
+        self.has_allowed_ids = np.zeros(n, dtype=bool)
+        self.allowed_ids: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * n
         # logprob_token_ids: the tokens whose logprobs a row returns instead of the top k.
         self.has_chosen_logprobs = np.zeros(n, dtype=bool)
         self.chosen_logprob_ids: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * n
@@ -70,6 +73,9 @@ class SamplingState:
         if params.logit_bias:
             self.logit_bias_ids[row] = np.fromiter(params.logit_bias.keys(), dtype=np.int64)
             self.logit_bias_values[row] = np.fromiter(params.logit_bias.values(), dtype=np.float32)
+        self.has_allowed_ids[row] = bool(params.allowed_token_ids)
+        if params.allowed_token_ids:
+            self.allowed_ids[row] = np.unique(np.asarray(params.allowed_token_ids, dtype=np.int64))
         self.has_chosen_logprobs[row] = bool(params.logprob_token_ids)
         if params.logprob_token_ids:
             self.chosen_logprob_ids[row] = np.asarray(params.logprob_token_ids, dtype=np.int64)
@@ -109,6 +115,7 @@ class SamplingState:
         self.has_generator[row] = False
         self.counts_tokens[row] = False
         self.has_logit_bias[row] = False
+        self.has_allowed_ids[row] = False
         self.has_chosen_logprobs[row] = False
         self.num_logprobs[row] = -1
 
@@ -160,6 +167,12 @@ class SamplingState:
             meta.logit_bias_rows = self._tensor(np.repeat(biased, [len(x) for x in ids]))
             meta.logit_bias_token_ids = self._tensor(np.concatenate(ids))
             meta.logit_bias_values = self._tensor(np.concatenate([self.logit_bias_values[r] for r in biased_rows]))
+        allowing = np.flatnonzero(self.has_allowed_ids[rows])
+        if len(allowing):
+            ids = [self.allowed_ids[int(rows[i])] for i in allowing]
+            meta.allowed_rows = self._tensor(allowing)
+            meta.allowed_at = self._tensor(np.repeat(np.arange(len(allowing)), [len(x) for x in ids]))
+            meta.allowed_token_ids = self._tensor(np.concatenate(ids))
         banning = np.flatnonzero(num_output_tokens < self.min_tokens[rows])
         if len(banning):
             ids = [self.banned_until_min_tokens[int(rows[i])] for i in banning]

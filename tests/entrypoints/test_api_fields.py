@@ -1,6 +1,7 @@
 """The rest of what clients send and read, against the real server: token ids in responses,
 cached prompt tokens in usage, usage in every chunk, prompt truncation, chat prefill, the model
-route, /tokenize's options, fields nobody implements logged, and vLLM's metric families."""
+route, /tokenize's options, fields nobody implements logged, vLLM's metric families and its
+allowed_token_ids."""
 
 from __future__ import annotations
 
@@ -130,3 +131,20 @@ def test_vllm_metric_families(api_server):
     assert generated == 6
     assert _metric_total(text, "request_queue_time_seconds_count") > _metric_total(before,
                                                                                    "request_queue_time_seconds_count")
+
+
+def test_allowed_token_ids_restrict_what_is_sampled(api_server):
+    c = client(api_server)
+    allowed = post(api_server, "/tokenize", {"prompt": " yes no maybe"})["tokens"]
+    out = c.completions.create(model="smol", prompt="Is the sky blue? Answer:", max_tokens=6, temperature=0,
+                               logprobs=1, extra_body={"allowed_token_ids": allowed, "return_token_ids": True})
+    assert set(out.choices[0].model_extra["token_ids"]) <= set(allowed)
+    assert all(lp > float("-inf") for lp in out.choices[0].logprobs.token_logprobs)
+    chat = c.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                     temperature=0.8, seed=1,
+                                     extra_body={"allowed_token_ids": allowed[:1], "return_token_ids": True})
+    assert set(chat.choices[0].model_extra["token_ids"]) == {allowed[0]}
+    with pytest.raises(openai.BadRequestError, match="out of vocabulary"):
+        c.completions.create(model="smol", prompt="x", max_tokens=1, extra_body={"allowed_token_ids": [10**9]})
+    with pytest.raises(openai.BadRequestError, match="allowed_token_ids"):
+        c.completions.create(model="smol", prompt="x", max_tokens=1, extra_body={"allowed_token_ids": []})

@@ -149,3 +149,31 @@ def test_logprob_token_ids_replace_the_top_k(chosen, seed):
         expected = ids if ids else raw[i].topk(3).indices.tolist()
         assert got_ids == expected
         torch.testing.assert_close(out.logprobs[i, 1 : 1 + ks[i]], raw[i, expected])
+
+
+@settings(max_examples=30, deadline=None)
+@given(allowed=st.lists(st.one_of(st.none(), st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=4)),
+                        min_size=1, max_size=5),
+       temperature=st.sampled_from([0.0, 1.0]), seed=st.integers(0, 2**16))
+def test_allowed_token_ids_restrict_sampling_but_not_logprobs(allowed, temperature, seed):
+    """Rows with allowed_token_ids sample (greedy: the best) among those ids only; the others are
+    untouched; logprobs are the model's own, from before the restriction (vLLM's raw logprobs)."""
+    torch.manual_seed(seed)
+    n = len(allowed)
+    batch = InputBatch(8, 64, 4, "cpu", VOCAB, EOS)
+    rows = [batch.add(NewRequestData(f"r{i}", [5, 6], 2, SamplingParams(temperature=temperature, logprobs=2,
+                                                                          allowed_token_ids=ids), [1], 0))
+            for i, ids in enumerate(allowed)]
+    meta = batch.sampling.metadata(np.array(rows), np.zeros(n, dtype=np.int64))
+    logits = torch.randn(n, VOCAB)
+    raw = logits.log_softmax(-1)
+    out = Sampler()(logits.clone(), meta)
+    for i, ids in enumerate(allowed):
+        token = int(out.sampled[i])
+        if ids:
+            assert token in ids
+            if temperature == 0.0:
+                assert token == max(ids, key=lambda t: (logits[i, t].item(), -t))
+        elif temperature == 0.0:
+            assert token == int(logits[i].argmax())
+        torch.testing.assert_close(out.logprobs[i, 0], raw[i, token])

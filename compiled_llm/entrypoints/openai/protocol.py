@@ -227,7 +227,7 @@ class SamplingRequest(RequestModel):
         "store": (False,), "service_tier": ("auto", "default"), "prediction": (), "audio": (),
         "modalities": (["text"],), "web_search_options": (), "verbosity": (), "reasoning_effort": (),
         # vLLM's
-        "watermarking": (False,), "allowed_token_ids": (), "bad_words": (),
+        "watermarking": (False,), "bad_words": (),
         "cache_salt": (), "kv_transfer_params": (), "ec_transfer_params": (), "vllm_xargs": (),
         "repetition_detection": (), "thinking_token_budget": (-1,), "stream_interval": (1,),
         "routed_experts_prompt_start": (0,), "return_token_offsets": (False,), "return_mm_kwargs": (True,),
@@ -274,6 +274,7 @@ class SamplingRequest(RequestModel):
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
     logprob_token_ids: list[TokenId] | None = None  # vLLM's: these ids' logprobs in place of the top ones
+    allowed_token_ids: list[TokenId] | None = None  # vLLM's: sample among these ids only
     request_id: str | None = Field(default=None, max_length=256)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -312,7 +313,7 @@ class SamplingRequest(RequestModel):
             "frequency_penalty": bool(self.frequency_penalty),
             "repetition_penalty": self.repetition_penalty not in (None, 1.0), "logit_bias": bool(self.logit_bias),
             "min_tokens": self.min_tokens > 0, "stop": bool(self.stop),
-            "prompt_logprobs": self.prompt_logprobs is not None,
+            "prompt_logprobs": self.prompt_logprobs is not None, "allowed_token_ids": bool(self.allowed_token_ids),
         }
         for name, conflict in conflicts.items():
             if conflict:

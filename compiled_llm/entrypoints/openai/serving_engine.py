@@ -187,6 +187,7 @@ class OpenAIServing:
                 prompt_logprobs=prompt_logprobs,
                 logit_bias=request.logit_bias_ids(),
                 logprob_token_ids=request.logprob_token_ids,
+                allowed_token_ids=request.allowed_token_ids,
                 structured_outputs=structured_outputs,
                 skip_special_tokens=request.skip_special_tokens,
                 spaces_between_special_tokens=request.spaces_between_special_tokens,
