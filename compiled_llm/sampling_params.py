@@ -76,7 +76,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
     # vLLM's logprob_token_ids: the logprobs of these token ids at each step, in place of the top
-    # `logprobs` alternatives (the first `logprobs` of them; a fixed label set, as classifiers score).
+    # `logprobs` alternatives, whatever `logprobs` says (a fixed label set, as classifiers score).
     logprob_token_ids: list[int] | None = None
     # vLLM's allowed_token_ids: sampling (greedy too) chooses among these ids only; logprobs stay
     # the model's own, computed before the restriction.
@@ -139,9 +139,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             if not ids or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= _INT64_MAX for t in ids):
                 raise bad("logprob_token_ids", "must be a non-empty list of non-negative token ids")
             if self.logprobs is None:
-                raise bad("logprobs", "must be set with logprob_token_ids (how many of them to return)")
-            if self.logprobs > len(ids):
-                raise bad("logprobs", f"must be at most the number of logprob_token_ids ({len(ids)})")
+                raise bad("logprobs", "must be set with logprob_token_ids")
         if self.allowed_token_ids is not None:
             ids = self.allowed_token_ids
             if not ids or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= _INT64_MAX for t in ids):

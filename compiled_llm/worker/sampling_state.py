@@ -64,6 +64,8 @@ class SamplingState:
         self.frequency_penalty[row] = params.frequency_penalty
         self.repetition_penalty[row] = params.repetition_penalty
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
+        if params.logprob_token_ids:  # every one of them, whatever `logprobs` says (vLLM)
+            self.num_logprobs[row] = len(params.logprob_token_ids)
         self.min_tokens[row] = params.min_tokens
         banned = list(params.stop_token_ids or [])
         if not params.ignore_eos:

@@ -80,8 +80,8 @@ def test_unknown_model_is_vllms_not_found(client):
 
 
 def test_logprob_token_ids_return_the_chosen_ids(client):
-    """vLLM's logprob_token_ids: the logprobs of these ids in place of the top ones, equal to what
-    the top 20 give for the same ids."""
+    """vLLM's logprob_token_ids: the logprobs of these ids in place of the top ones (and of the
+    sampled token, where it is not one of them), equal to what the top 20 give for the same ids."""
     def top_logprobs(**extra) -> list[dict[int, float]]:
         reply = client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=3, temperature=0,
@@ -92,8 +92,10 @@ def test_logprob_token_ids_return_the_chosen_ids(client):
     top = top_logprobs(top_logprobs=20)
     chosen = sorted(top[0])[:3]  # three of the first step's top 20
     picked = top_logprobs(logprob_token_ids=chosen)  # top_logprobs left out: every chosen id
-    assert [sorted(step) for step in picked] == [chosen] * 3
-    assert all(abs(picked[0][t] - top[0][t]) < 1e-4 for t in chosen)
+    greedy = max(top[0], key=top[0].get)  # the first step's token
+    assert sorted(picked[0]) == sorted({*chosen, greedy}) and all(set(chosen) <= set(step) for step in picked)
+    assert all(len(step) <= len(chosen) + 1 for step in picked)
+    assert all(abs(picked[0][t] - top[0][t]) < 1e-4 for t in picked[0])
     assert all(lp <= 0 for step in picked for lp in step.values())
     message = bad_request(client.chat.completions.create, messages=[{"role": "user", "content": "x"}],
                           max_tokens=1, logprobs=True, extra_body={"logprob_token_ids": [10**7]})

@@ -81,13 +81,14 @@ def chat_logprobs(
     output: CompletionOutput, num_top: int, as_ids: bool = False, chosen: list[int] | None = None
 ) -> ChatLogProbs:
     """`chosen`: the request's logprob_token_ids, which are the alternatives (in their order) in
-    place of the best `num_top`."""
+    place of the best `num_top`, after the sampled token where it is not one of them (vLLM)."""
     content = []
     for token_id, entry in zip(output.token_ids, output.logprobs or []):
         sampled = entry[token_id]
         text = sampled.decoded_token or ""
         if chosen:
-            alternatives = [(tid, entry[tid]) for tid in chosen[:num_top] if tid in entry]
+            ids = chosen if token_id in chosen else [token_id, *chosen]
+            alternatives = [(tid, entry[tid]) for tid in dict.fromkeys(ids) if tid in entry]
         else:
             alternatives = [(tid, lp) for tid, lp in sorted(entry.items(), key=lambda kv: kv[1].rank or 0)
                             if lp.rank is not None and lp.rank <= num_top]

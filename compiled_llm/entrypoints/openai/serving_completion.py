@@ -138,7 +138,9 @@ class OpenAIServingCompletion(OpenAIServing):
         if echoing:
             result = echo_logprobs(prompt.token_ids, out.prompt_logprobs, plan.num_top, self.token_text, as_ids)
             offset = len(prompt.text or "")
-        return completion_logprobs(c, plan.num_top, offset, as_ids, result)
+        # With logprob_token_ids: every one of them beside the sampled token (vLLM), whatever `logprobs` says.
+        num_top = len(plan.request.logprob_token_ids) if plan.request.logprob_token_ids else plan.num_top
+        return completion_logprobs(c, num_top, offset, as_ids, result)
 
     def _choice_fields(self, plan: CompletionPlan, i: int, out: RequestOutput, c: CompletionOutput, echoing: bool,
                        offset: int = 0, first: bool = True) -> dict[str, Any]:
