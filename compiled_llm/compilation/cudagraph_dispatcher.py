@@ -88,6 +88,13 @@ class CudagraphDispatcher:
                 return CUDAGraphMode.PIECEWISE, key
         return CUDAGraphMode.NONE, BatchDescriptor(num_tokens)
 
+    def dispatch_batch(self, num_scheduled: Sequence[int]) -> tuple[CUDAGraphMode, BatchDescriptor]:
+        """`dispatch` for a step whose requests have these query lengths: uniform where they are
+        all equal (the runner's and the draft model's steps alike)."""
+        query_len = int(num_scheduled[0])
+        uniform = all(int(n) == query_len for n in num_scheduled)
+        return self.dispatch(int(sum(num_scheduled)), uniform, query_len)
+
     def capture_descriptors(self) -> list[tuple[CUDAGraphMode, BatchDescriptor]]:
         """Every key to capture at start-up, largest first, so smaller graphs reuse the pool's memory."""
         return sorted(

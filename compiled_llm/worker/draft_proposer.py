@@ -37,7 +37,7 @@ import torch
 
 from compiled_llm.compilation.config import CUDAGraphMode
 from compiled_llm.compilation.cudagraph_dispatcher import CudagraphDispatcher
-from compiled_llm.compilation.forward_context import BatchDescriptor, set_forward_context
+from compiled_llm.compilation.forward_context import set_forward_context
 from compiled_llm.config import EngineConfig
 from compiled_llm.kernels.cpu_extension import uses_cpu_kernels
 from compiled_llm.logger import init_logger
@@ -156,14 +156,15 @@ class DraftModelProposer:
     def _forward_chunk(self, batch: InputBatch, rows: np.ndarray, start: np.ndarray, count: np.ndarray,
                        want: np.ndarray, chunk: np.ndarray) -> dict[int, int]:
         n = count[chunk]
-        total = int(n.sum())
-        mode, descriptor = CUDAGraphMode.NONE, BatchDescriptor(total, len(chunk))
+        mode, descriptor = CUDAGraphMode.NONE, None
         if self.dispatcher is not None:
-            mode, descriptor = self.dispatcher.dispatch(total, bool((n == n[0]).all()), int(n[0]))
-        metadata, _ = self.inputs.prepare(batch, rows[chunk], n, int(np.count_nonzero(n == 1)), descriptor.num_tokens,
-                                          descriptor.num_reqs or len(chunk), computed=start[chunk])
-        with set_forward_context(metadata, mode, descriptor if self.dispatcher is not None else None):
-            hidden = self.forward(*self.inputs.model_args(descriptor.num_tokens))
+            mode, descriptor = self.dispatcher.dispatch_batch(n)
+        padded_tokens = descriptor.num_tokens if descriptor is not None else int(n.sum())
+        padded_reqs = descriptor.num_reqs if descriptor is not None and descriptor.num_reqs else len(chunk)
+        metadata, _ = self.inputs.prepare(batch, rows[chunk], n, int(np.count_nonzero(n == 1)), padded_tokens,
+                                          padded_reqs, computed=start[chunk])
+        with set_forward_context(metadata, mode, descriptor):
+            hidden = self.forward(*self.inputs.model_args(padded_tokens))
         picked = np.flatnonzero(want[chunk])
         if not len(picked):
             return {}

@@ -265,9 +265,8 @@ class ModelRunner:
         total = int(num_sched.sum())
         num_decodes = int(np.count_nonzero(num_sched == 1))  # sorted first
         mode, descriptor = CUDAGraphMode.NONE, None
-        if self.dispatcher is not None:  # uniform: every request has the same query length
-            query_len = int(num_sched[0])
-            mode, descriptor = self.dispatcher.dispatch(total, bool((num_sched == query_len).all()), query_len)
+        if self.dispatcher is not None:
+            mode, descriptor = self.dispatcher.dispatch_batch(num_sched)
         padded_tokens = descriptor.num_tokens if descriptor is not None else total
         padded_reqs = descriptor.num_reqs if descriptor is not None and descriptor.num_reqs else len(req_ids)
         if self.drafter is not None:  # its drafts replace the scheduler's placeholders

@@ -91,3 +91,34 @@ def test_a_draft_with_another_vocabulary_or_no_model_is_refused(small_vocab_llam
         make_llm(small_vocab_llama, {"method": "draft_model", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="tensor_parallel_size 1"):
         make_llm(small_vocab_llama, draft_spec(small_vocab_llama), tensor_parallel_size=2)
+
+
+def test_steps_padded_as_cuda_graphs_pad_them_keep_the_tokens(base, small_vocab_llama):
+    """On a CPU the dispatcher's padding runs eagerly, so every CI run checks what a GPU replays:
+    the target's steps padded to FULL keys of q = 1 and q = 1 + k (requests of k + 1 query tokens
+    padded in count) or PIECEWISE sizes, and the draft's steps to its own keys, give the same
+    greedy tokens."""
+    from compiled_llm.compilation.config import CUDAGraphMode
+    from compiled_llm.compilation.cudagraph_dispatcher import CudagraphDispatcher
+
+    k = 3
+    spec = make_llm(small_vocab_llama, draft_spec(small_vocab_llama, k))
+    runner = spec.llm_engine.engine_core.executor.driver
+    sizes, mode = [1, 2, 4, 8, 16, 32, 64], CUDAGraphMode.FULL_AND_PIECEWISE
+    runner.dispatcher = CudagraphDispatcher(sizes, mode, max_num_seqs=8, uniform_query_lens=(1, 1 + k))
+    runner.drafter.dispatcher = CudagraphDispatcher(sizes, mode, max_num_seqs=8)
+    seen = []
+    for dispatcher in (runner.dispatcher, runner.drafter.dispatcher):
+        dispatch = dispatcher.dispatch
+
+        def recording(*args, dispatch=dispatch, **kwargs):
+            seen.append(dispatch(*args, **kwargs))
+            return seen[-1]
+
+        dispatcher.dispatch = recording
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    prompts = REPEATING + OTHERS
+    assert [tokens(spec, [p], params)[0] for p in prompts] == tokens(base, prompts, params)
+    assert any(m is CUDAGraphMode.FULL and key.query_len == 1 + k and key.num_reqs == 1 for m, key in seen)
+    assert any(m is CUDAGraphMode.FULL and key.query_len == 1 for m, key in seen)
+    assert_blocks_free(spec)
