@@ -60,7 +60,8 @@ class EngineCore:
         self.executor.collective_rpc("compile_or_warm_up")
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.num_blocks,
                                    config.speculative_config,
-                                   config.lora_config.max_loras if config.lora_config is not None else None)
+                                   config.lora_config.max_loras if config.lora_config is not None else None,
+                                   measure_step_cost=config.torch_device.type == "cpu")
         self._in_flight: deque[tuple[SchedulerOutput, AsyncModelRunnerOutput]] = deque()  # launched, not accounted
         self.structured_outputs: StructuredOutputManager | None = None  # made by the first constrained request
         # LoRA: adapter id -> (its folder, the requests that named it since it was pinned on the ranks).

@@ -53,8 +53,10 @@ from compiled_llm.core.request_queue import make_request_queue
 from compiled_llm.messages.engine_core import EngineCoreOutput, SchedulerStats, SpecDecodingStats
 from compiled_llm.messages.runner_output import LogprobsLists, ModelRunnerOutput, PooledTensor
 from compiled_llm.messages.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from compiled_llm.spec_decode.backoff import MIN_ACCEPTANCE, min_acceptance
 from compiled_llm.spec_decode.gain import SpeculationGain
 from compiled_llm.spec_decode.ngram import NgramIndex
+from compiled_llm.spec_decode.step_cost import StepCost
 
 
 @dataclass
@@ -89,10 +91,14 @@ class Scheduler:
     def __init__(
         self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
         speculative_config: SpeculativeConfig | None = None, max_loras: int | None = None,
+        measure_step_cost: bool = False,
     ) -> None:
         """`num_blocks`: the KV cache's size, which the runners decide at start-up from their memory.
-        `max_loras` (LoRA on): the most distinct adapters among running requests (the runner's slots)."""
+        `max_loras` (LoRA on): the most distinct adapters among running requests (the runner's slots).
+        `measure_step_cost`: where each verified row costs compute (a CPU), fit decode steps' times
+        to their rows, from which the acceptance drafts need at a batch size follows (step_cost.py)."""
         self.speculative_config = speculative_config
+        self.step_cost = StepCost() if measure_step_cost and speculative_config is not None else None
         self.spec_stats = SpecDecodingStats() if speculative_config is not None else None  # since the last stats
         self.spec_totals = SpecDecodingStats()  # since start-up (the acceptance rate in the logs)
         measures = speculative_config is not None and speculative_config.measure_gain
@@ -392,7 +398,8 @@ class Scheduler:
                 continue
             if num_slots:
                 proposed = runner_output.num_proposed_drafts.get(rid, num_slots)
-                self._roll_back_rejected(request, num_slots, proposed, len(sampled) - 1)
+                needed = self._acceptance_needed(request, len(scheduler_output.num_scheduled_tokens))
+                self._roll_back_rejected(request, num_slots, proposed, len(sampled) - 1, needed)
             outputs.append(self._accept_sampled(request, sampled, runner_output))
             if request.status.finished:
                 stopped.append(request)
@@ -419,27 +426,41 @@ class Scheduler:
     def record_step_time(self, scheduler_output: SchedulerOutput, outputs: list[EngineCoreOutput],
                          seconds: float) -> None:
         """How long a step took and what it yielded: decode-only steps tell `spec_gain` whether
-        speculation pays at their batch size (nothing is counted without it)."""
-        if self.spec_gain is None or scheduler_output.scheduled_new_reqs:
+        speculation pays at their batch size, and `step_cost` what a row costs (nothing is counted
+        without them)."""
+        if (self.spec_gain is None and self.step_cost is None) or scheduler_output.scheduled_new_reqs:
             return
         drafts = scheduler_output.scheduled_spec_decode_tokens
         if any(n != 1 + len(drafts.get(rid, ())) for rid, n in scheduler_output.num_scheduled_tokens.items()):
             return  # a prompt chunk's time says nothing of decoding
-        self.spec_gain.record(len(scheduler_output.num_scheduled_tokens), self._step_speculates,
-                              sum(len(o.new_token_ids) for o in outputs), seconds)
+        if self.step_cost is not None:
+            self.step_cost.observe(scheduler_output.total_num_scheduled_tokens, seconds)
+        if self.spec_gain is not None:
+            self.spec_gain.record(len(scheduler_output.num_scheduled_tokens), self._step_speculates,
+                                  sum(len(o.new_token_ids) for o in outputs), seconds)
 
-    def _roll_back_rejected(self, request: Request, num_slots: int, num_drafts: int, num_accepted: int) -> None:
+    def _acceptance_needed(self, request: Request, batch: int) -> float:
+        """The share of its drafts `request` must get accepted to keep proposing in a step of `batch`
+        requests. A seeded request's drafts never depend on measured times (each verification
+        draws from its stream, so its text would), only on the workload: it keeps the fixed bar."""
+        if self.step_cost is None or request.sampling_params.seed is not None:
+            return MIN_ACCEPTANCE
+        return min_acceptance(batch, self.step_cost.fixed_rows())
+
+    def _roll_back_rejected(self, request: Request, num_slots: int, num_drafts: int, num_accepted: int,
+                            needed: float) -> None:
         """The step computed KV for all `num_drafts` drafts; only the accepted ones' entries hold.
         The rejected ones' slots are written again when their positions are computed with real
         tokens; the blocks stay with the request for its next drafts (freed with it). None of them
         is ever cached: a block is hashed only once full of known tokens (`Request.block_hashes`).
         `num_slots`: the draft slots the step was given; (asynchronous) the runner may have found
-        fewer `num_drafts` to fill them with. A request preempted meanwhile has nothing to roll back."""
+        fewer `num_drafts` to fill them with. A request preempted meanwhile has nothing to roll back.
+        `needed`: the acceptance its drafts need at the step's batch size (`AcceptanceBackoff.record`)."""
         if request.status == RequestStatus.RUNNING:
             request.num_computed_tokens -= num_slots - num_accepted
         if not num_drafts:
             return
-        request.spec_backoff.record(num_drafts, num_accepted)
+        request.spec_backoff.record(num_drafts, num_accepted, needed)
         assert self.spec_stats is not None and self.speculative_config is not None
         for stats in (self.spec_stats, self.spec_totals):
             stats.observe(num_drafts, num_accepted, self.speculative_config.num_speculative_tokens)

@@ -13,7 +13,13 @@ full-length proposal accepted doubles its length (up to num_speculative_tokens),
 sets it to one more than were accepted. A loop or a long copy soon verifies the whole
 num_speculative_tokens a step; prose that matches its context in short runs stays at 2-3.
 
-Exactness depends on neither: they only decide how many drafts are proposed.
+The acceptance a request needs grows with the batch where a verified row costs compute (a CPU): a
+draft costs one row, and an accepted one saves its request's share of a step (`step_cost.py`, which
+measures a step's fixed cost F in rows as the engine runs), so at B requests drafts pay while the
+share accepted exceeds B / (B + F) (`min_acceptance`). A request that keeps long runs (a copy)
+speculates at any batch; one matching in short runs stops where its drafts cost more than they save.
+
+Exactness depends on none of this: it only decides how many drafts are proposed.
 """
 
 from __future__ import annotations
@@ -22,6 +28,16 @@ MIN_ACCEPTANCE = 0.2
 _WEIGHT = 0.5  # of the latest verification in the average
 _FIRST_PAUSE, _LONGEST_PAUSE = 8, 128
 FIRST_LENGTH, _LONGEST = 4, 64
+MOST_NEEDED = 0.95  # a request whose drafts all land keeps proposing, whatever the fit says
+
+
+def min_acceptance(batch: int, step_fixed_rows: float | None) -> float:
+    """The share of drafts a request must get accepted to keep proposing at `batch` requests a step,
+    given a step's fixed cost in rows (`StepCost.fixed_rows`); None (not measured, or rows next to
+    free: a GPU) keeps `MIN_ACCEPTANCE`."""
+    if step_fixed_rows is None:
+        return MIN_ACCEPTANCE
+    return min(max(MIN_ACCEPTANCE, batch / (batch + step_fixed_rows)), MOST_NEEDED)
 
 
 class AcceptanceBackoff:
@@ -40,16 +56,18 @@ class AcceptanceBackoff:
             return False
         return True
 
-    def record(self, num_drafts: int, num_accepted: int) -> None:
+    def record(self, num_drafts: int, num_accepted: int, needed: float = MIN_ACCEPTANCE) -> None:
+        """One verification's outcome; `needed`: the acceptance below which the request pauses
+        (`min_acceptance` at the step's batch)."""
         if num_accepted < num_drafts:
             self.length = num_accepted + 1
         elif num_drafts >= self.length:  # a shorter proposal (the context ran out) says nothing more
             self.length = min(2 * self.length, _LONGEST)
         self.acceptance += _WEIGHT * (num_accepted / num_drafts - self.acceptance)
-        if self.acceptance >= MIN_ACCEPTANCE:
+        if self.acceptance >= needed:
             if num_accepted:
                 self.next_pause = _FIRST_PAUSE
             return
         self.pause_left = self.next_pause
         self.next_pause = min(2 * self.next_pause, _LONGEST_PAUSE)
-        self.acceptance = 0.5
+        self.acceptance = max(0.5, needed)  # the next try starts even: one good verification keeps it going

@@ -8,10 +8,10 @@ from compiled_llm.core.request import Request
 from compiled_llm.core.scheduler import Scheduler
 from compiled_llm.messages.runner_output import ModelRunnerOutput
 from compiled_llm.sampling_params import SamplingParams
-from compiled_llm.spec_decode.backoff import AcceptanceBackoff
+from compiled_llm.spec_decode.backoff import MIN_ACCEPTANCE, AcceptanceBackoff, min_acceptance
 
 
-def pauses(backoff: AcceptanceBackoff, verdicts: list[int], k: int = 4) -> list[int]:
+def pauses(backoff: AcceptanceBackoff, verdicts: list[int], k: int = 4, needed: float = MIN_ACCEPTANCE) -> list[int]:
     """Feed verdicts (accepted of k) whenever it may propose; the steps it sat out before each."""
     out, waited = [], 0
     verdicts = list(verdicts)
@@ -19,7 +19,7 @@ def pauses(backoff: AcceptanceBackoff, verdicts: list[int], k: int = 4) -> list[
         if backoff.may_propose():
             out.append(waited)
             waited = 0
-            backoff.record(k, verdicts.pop(0))
+            backoff.record(k, verdicts.pop(0), needed)
         else:
             waited += 1
     return out
@@ -73,3 +73,58 @@ def test_the_scheduler_gives_a_request_as_many_drafts_as_its_length_allows():
         assert drafts == [prompt[(known + i) % 12] for i in range(len(drafts))]
         s.update_from_output(out, ModelRunnerOutput(["a"], [[*drafts, prompt[(known + len(drafts)) % 12]]]))
     assert sizes[:3] == [4, 8, 10] and max(sizes) == 10
+
+
+def test_the_acceptance_drafts_need_grows_with_the_batch_where_rows_cost_compute():
+    """Break-even: a draft costs a row, an accepted one saves its request's share of a step."""
+    assert min_acceptance(1, None) == min_acceptance(32, None) == MIN_ACCEPTANCE  # GPU: rows next to free
+    assert min_acceptance(1, 4.0) == MIN_ACCEPTANCE
+    assert min_acceptance(8, 4.0) == 8 / 12 and min_acceptance(32, 4.0) == 32 / 36
+    needs = [min_acceptance(b, 4.0) for b in (1, 2, 4, 8, 16, 32, 64)]
+    assert needs == sorted(needs) and needs[-1] < 1
+
+
+def test_at_a_large_batch_half_accepted_drafts_pause_and_a_copy_keeps_speculating():
+    needed = min_acceptance(32, 4.0)
+    assert pauses(AcceptanceBackoff(), [4] * 10, needed=needed) == [0] * 10  # a copy: every draft lands
+    assert pauses(AcceptanceBackoff(), [2] * 10, needed=MIN_ACCEPTANCE) == [0] * 10  # alone, half pays
+    waits = pauses(AcceptanceBackoff(), [2] * 6, needed=needed)
+    assert waits[1] == 8 and all(waits[2:])  # at 32 requests it pauses, each time after one try
+    # After a pause one good verification keeps it going (its average starts at what it needs).
+    assert pauses(AcceptanceBackoff(), [2, 4, 4, 4], needed=needed) == [0, 8, 0, 0]
+
+
+def test_the_scheduler_asks_more_of_a_batch_of_requests_where_rows_cost_compute():
+    """Eight requests whose drafts are at most half right. Where each step's time grows with its rows as on
+    a CPU (6.5 ms + 2 ms a row: a fixed cost of 3.25 rows), half is not enough at 8 requests and
+    they mostly stop proposing; where rows are free (steps take 5 ms whatever their rows) or the
+    cost is not measured, they keep going."""
+    def verified(measure: bool, seconds) -> int:
+        s = Scheduler(SchedulerConfig(8, 256, 512), CacheConfig(block_size=4), 512, SpeculativeConfig("ngram", 2, 1, 1),
+                      measure_step_cost=measure)
+        for i in range(8):
+            s.add_request(Request(f"r{i}", [5, 6, 5, 6, 5, 6, 5], SamplingParams(max_tokens=150), [2], 4))
+        count = step = 0
+        while s.has_unfinished_requests():
+            out = s.schedule()
+            ids = list(out.num_scheduled_tokens)
+            sampled = []
+            for i, rid in enumerate(ids):
+                drafts = out.scheduled_spec_decode_tokens.get(rid, [])
+                count += bool(drafts)
+                # every other step the first draft is right, the rest never (so draft lengths, and
+                # the steps' rows, vary)
+                right = drafts[:1] if (i + step) % 2 else []
+                sampled.append([*right, 9] if drafts else [s.requests[rid].all_token_ids[-2]])
+            step += 1
+            outputs = s.update_from_output(out, ModelRunnerOutput(ids, sampled))
+            s.record_step_time(out, outputs, seconds(out.total_num_scheduled_tokens))
+        if measure:
+            fixed = s.step_cost.fixed_rows()
+            assert fixed is None if seconds(1) == seconds(9) else abs(fixed - 3.25) < 0.01
+        return count
+
+    costly = verified(True, lambda rows: 6.5e-3 + 2e-3 * rows)
+    free = verified(True, lambda rows: 5e-3)
+    unmeasured = verified(False, lambda rows: 6.5e-3 + 2e-3 * rows)
+    assert free == unmeasured and costly < free / 2, (costly, free)

@@ -8,8 +8,10 @@ import pytest
 
 from compiled_llm import LLM, SamplingParams
 
-# measure_gain off: these tests check what speculation computes, so every step may propose drafts
-# (on a tiny model the measured gain may well turn it off; spec_decode/gain.py has its own tests).
+# measure_gain off, and no acceptance bar raised by measured step costs: these tests check what
+# speculation computes, so every step may propose drafts (on a tiny random model, whose drafts
+# seldom land, the measured cost of a row may well stop them; spec_decode/gain.py, step_cost.py
+# and backoff.py have their own tests).
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4,
         "measure_gain": False}
 REPEATING = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7], [11, 12, 13] * 10, [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]]
@@ -17,7 +19,11 @@ REPEATING = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7], [11, 12, 13] * 10, [3, 4, 
 
 def make_llm(model: str, spec: dict | None, **kwargs) -> LLM:
     kwargs = {"optimization_level": 0, "max_model_len": 256, "kv_cache_memory_bytes": 16 << 20, **kwargs}
-    return LLM(model, speculative_config=spec, **kwargs)
+    llm = LLM(model, speculative_config=spec, **kwargs)
+    scheduler = llm.llm_engine.engine_core.scheduler
+    assert (scheduler.step_cost is not None) == (spec is not None)  # a CPU engine measures what rows cost
+    scheduler.step_cost = None
+    return llm
 
 
 def tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
