@@ -330,16 +330,19 @@ def build_app(
 
 class _Server(uvicorn.Server):
     """uvicorn's server, which also aborts open requests when told to exit, so that their
-    streams end now instead of holding up the graceful shutdown."""
+    streams end now instead of holding up the graceful shutdown. `loop`: the loop it serves on,
+    set when it starts."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncLLM, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLM) -> None:
         super().__init__(config)
         self.engine = engine
-        self.loop = loop
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         super().handle_exit(sig, frame)
-        self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self.engine.begin_shutdown()))
+        loop = self.loop
+        if loop is not None:
+            loop.call_soon_threadsafe(lambda: loop.create_task(self.engine.begin_shutdown()))
 
 
 async def _announce_when_ready(server: uvicorn.Server, engine: AsyncLLM, url: str) -> None:
@@ -348,10 +351,9 @@ async def _announce_when_ready(server: uvicorn.Server, engine: AsyncLLM, url: st
     logger.info("Ready: serving %s at %s/v1", engine.model_config.served_model_name, url)
 
 
-async def serve_http(engine: AsyncLLM, server_args: ServerArgs, sock: socket.socket | None = None) -> None:
-    """Serve until told to exit; on `sock` (bound already, maybe shared with other API server
-    processes) instead of binding `host:port`."""
-    loop = asyncio.get_running_loop()
+def make_http_server(engine: AsyncLLM, server_args: ServerArgs) -> _Server:
+    """The app (its routes, handlers and the tokenizer's pieces they make) and its uvicorn server,
+    not serving yet: made while the engine core loads, so that a ready engine is served at once."""
     server: _Server | None = None
 
     def on_engine_dead() -> None:
@@ -359,10 +361,18 @@ async def serve_http(engine: AsyncLLM, server_args: ServerArgs, sock: socket.soc
         server.should_exit = True
 
     app = build_app(engine, server_args, on_engine_dead)
-    host, port = server_args.host, server_args.port
-    config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
-    server = _Server(config, engine, loop)
-    announce = asyncio.create_task(_announce_when_ready(server, engine, f"http://{host}:{port}"))
+    config = uvicorn.Config(app, host=server_args.host, port=server_args.port, log_level="info",
+                            timeout_graceful_shutdown=5)
+    server = _Server(config, engine)
+    return server
+
+
+async def serve_http(server: _Server, sock: socket.socket | None = None) -> None:
+    """Serve until told to exit; on `sock` (bound already, maybe shared with other API server
+    processes) instead of binding `host:port`."""
+    server.loop = asyncio.get_running_loop()
+    config = server.config
+    announce = asyncio.create_task(_announce_when_ready(server, server.engine, f"http://{config.host}:{config.port}"))
     try:
         await server.serve(sockets=[sock] if sock is not None else None)
     finally:
@@ -402,8 +412,9 @@ def run_server(
     try:
         engine = AsyncLLM(config or engine_args.create_engine_config(), server_args.engine_timeout,
                           server_args.stream_interval, engine=engine_core, wait_ready=False)
-        # While the engine loads: this process's start-up heap is made (the server stack, the
-        # tokenizer), so the collection that freezes it is off the path to ready.
+        # While the engine loads: the app, then this process's start-up heap is made (the server
+        # stack, the tokenizer), so the collection that freezes it is off the path to ready.
+        server = make_http_server(engine, server_args)
         freeze_gc_heap()
         engine.wait_ready()
     except BaseException as e:
@@ -413,15 +424,18 @@ def run_server(
             logger.error("%s", e)
             return 1
         raise
-    return serve_engine(engine, server_args)
+    return serve_engine(engine, server_args, server=server)
 
 
-def serve_engine(engine: AsyncLLM, server_args: ServerArgs, sock: socket.socket | None = None) -> int:
+def serve_engine(engine: AsyncLLM, server_args: ServerArgs, sock: socket.socket | None = None,
+                 server: _Server | None = None) -> int:
     """Serve HTTP in front of a started engine until a signal or the engine's death; 0 after a
-    clean shutdown, 1 when the engine died."""
+    clean shutdown, 1 when the engine died. `server`: made already (`make_http_server`)."""
     try:
+        if server is None:
+            server = make_http_server(engine, server_args)
         with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
-            runner.run(serve_http(engine, server_args, sock))
+            runner.run(serve_http(server, sock))
     except KeyboardInterrupt:
         pass  # the signal uvicorn re-raises after its graceful shutdown
     finally:
