@@ -44,8 +44,8 @@ def blocks_to_quantized(data: np.ndarray | bytes, kind: str, shape: tuple[int, i
     d = _fp16(blocks[:, 0:2])
     groups = (rows, cols // BLOCK)
     if kind == "Q8_0":
-        q = np.ascontiguousarray(blocks[:, 2:]).view(np.int8).reshape(rows, cols)
-        return QuantizedWeight(torch.from_numpy(q.copy()), torch.from_numpy(d.reshape(groups)), None, 8, BLOCK)
+        q = np.array(blocks[:, 2:]).view(np.int8).reshape(rows, cols)  # one copy, out of the (mapped) file
+        return QuantizedWeight(torch.from_numpy(q), torch.from_numpy(d.reshape(groups)), None, 8, BLOCK)
     if kind == "Q4_1":
         mins, nibbles = _fp16(blocks[:, 2:4]), blocks[:, 4:]
     else:
