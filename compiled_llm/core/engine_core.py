@@ -63,6 +63,8 @@ class EngineCore:
                                    config.lora_config.max_loras if config.lora_config is not None else None,
                                    measure_step_cost=config.torch_device.type == "cpu")
         self._in_flight: deque[tuple[SchedulerOutput, AsyncModelRunnerOutput]] = deque()  # launched, not accounted
+        # The last step (its plan, outputs, start and forward's seconds), timed when the next begins.
+        self._last_step: tuple[SchedulerOutput, list[EngineCoreOutput], float, float] | None = None
         self.structured_outputs: StructuredOutputManager | None = None  # made by the first constrained request
         # LoRA: adapter id -> (its folder, the requests that named it since it was pinned on the ranks).
         self._lora_pins: dict[int, tuple[str, set[str]]] = {}
@@ -188,14 +190,30 @@ class EngineCore:
         if self.config.scheduler_config.async_scheduling:
             outputs += self._step_async()
         elif self.scheduler.has_unfinished_requests():
-            scheduler_output = self.scheduler.schedule()
             started = time.perf_counter()
+            self._time_last_step(started)
+            scheduler_output = self.scheduler.schedule()
+            forward_started = time.perf_counter()
             runner_output = self.executor.execute_model(scheduler_output, self._grammar_bitmask(scheduler_output))
-            seconds = time.perf_counter() - started
+            forward = time.perf_counter() - forward_started
             step_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-            self.scheduler.record_step_time(scheduler_output, step_outputs, seconds)
+            if self.scheduler.has_unfinished_requests():
+                self._last_step = (scheduler_output, step_outputs, started, forward)
             outputs += step_outputs
         return EngineCoreOutputs(outputs, self._stats(), time.time())
+
+    def _time_last_step(self, now: float) -> None:
+        """Tell the scheduler what the last step cost, from its start to this one's: scheduling,
+        the forward and sampling, and handing its outputs on (a token that a draft saves saves all
+        of it). A gap far beyond its forward was the engine waiting (for input, a grammar), not
+        the step: not counted."""
+        if self._last_step is None:
+            return
+        scheduler_output, step_outputs, started, forward = self._last_step
+        self._last_step = None
+        period = now - started
+        if period <= 2 * forward + 0.02:
+            self.scheduler.record_step_time(scheduler_output, step_outputs, period)
 
     def _step_async(self) -> list[EngineCoreOutput]:
         """Launch the next step, then account the one launched before it: the device runs a step

@@ -3,7 +3,8 @@ its drafts a request needs accepted for them to pay at a batch size.
 
 A draft costs a row of the step's compute; an accepted one saves its request a step: the step's
 fixed part spread over the batch, plus its own row. Fitting decode-only steps' times to a + b * rows
-(a moving least-squares fit) gives that fixed part in rows, F = a / b, and at B requests drafts pay
+(a moving least-squares fit; a step's time runs from its start to the next one's, so that
+scheduling and handing the outputs on count) gives that fixed part in rows, F = a / b, and at B requests drafts pay
 while the share accepted exceeds B / (B + F) (`backoff.min_acceptance`). On a 2-core CPU with the
 bundled model F is about 3-4 (a one-token step 8.5 ms, each further verified row about 2 ms): 20% of
 drafts must land alone, 89% at 32 requests. Where rows cost next to nothing (a tiny model) F is large
