@@ -53,7 +53,7 @@ from compiled_llm.core.request_queue import make_request_queue
 from compiled_llm.messages.engine_core import EngineCoreOutput, SchedulerStats, SpecDecodingStats
 from compiled_llm.messages.runner_output import LogprobsLists, ModelRunnerOutput, PooledTensor
 from compiled_llm.messages.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
-from compiled_llm.spec_decode.backoff import MIN_ACCEPTANCE, min_acceptance
+from compiled_llm.spec_decode.backoff import min_acceptance
 from compiled_llm.spec_decode.gain import SpeculationGain
 from compiled_llm.spec_decode.ngram import NgramIndex
 from compiled_llm.spec_decode.step_cost import StepCost
@@ -443,9 +443,8 @@ class Scheduler:
         """The share of its drafts `request` must get accepted to keep proposing in a step of `batch`
         requests. A seeded request's drafts never depend on measured times (each verification
         draws from its stream, so its text would), only on the workload: it keeps the fixed bar."""
-        if self.step_cost is None or request.sampling_params.seed is not None:
-            return MIN_ACCEPTANCE
-        return min_acceptance(batch, self.step_cost.fixed_rows())
+        measured = self.step_cost is not None and request.sampling_params.seed is None
+        return min_acceptance(batch, self.step_cost.fixed_rows() if measured else None)
 
     def _roll_back_rejected(self, request: Request, num_slots: int, num_drafts: int, num_accepted: int,
                             needed: float) -> None:
