@@ -93,7 +93,8 @@ INT8_ACTIVATION_BLOCK = 32
 
 def int8_activations(x: torch.Tensor) -> torch.Tensor:
     """x [M, K] (K a multiple of 32) as the CPU kernel's int8-activation path sees it (4-bit weights
-    in 16-wide panels on AVX2; llama.cpp's Q8 activations): per row and block of 32 inputs,
+    in 16-wide panels on AVX2, 8- and 4-bit ones in 32-wide panels with AVX512-VNNI; llama.cpp's Q8
+    activations): per row and block of 32 inputs,
     d = max|x| / 127 and q = round(x * (127 / max|x|)) (to even, in float32), returned as d * q in
     float64."""
     m, k = x.shape

@@ -36,12 +36,12 @@ def uses_quantized_kernel(device: torch.device, dtype: torch.dtype, in_features:
 def quantizes_activations(bits: int, panel: int = 0) -> bool:
     """Whether the C++ GEMM multiplies this many bits of weights, packed in panels `panel` wide (0:
     the CPU's native width), with activations quantized to int8 per block of 32 (4-bit weights in
-    16-wide panels on AVX2: see `quantized_reference.int8_activations`), rather than with the
-    float32 activations."""
-    if bits != 4 or not cpu_op_available("quantized_linear_int8_activations"):
+    16-wide panels on AVX2; 8- and 4-bit ones in 32-wide panels with AVX512-VNNI: see
+    `quantized_reference.int8_activations`), rather than with the float32 activations."""
+    if not cpu_op_available("quantized_linear_int8_activations"):
         return False
     ops = torch.ops.compiled_llm_cpu
-    return ops.quantized_linear_int8_activations() and (panel or ops.native_panel_width()) == 16
+    return ops.quantized_linear_int8_activations(bits, panel or ops.native_panel_width())
 
 
 def uses_triton_kernel(device: torch.device) -> bool:

@@ -140,41 +140,51 @@ def test_quantized_linear_matches_the_reference(
     assert_quantized_linear(got, x, weight, b, panel)
 
 
-@pytest.mark.skipif(not cpu_kernels_available() or not ops.quantized_linear_int8_activations(),
-                    reason="the int8-activation path is built only with AVX2")
-@settings(max_examples=30, deadline=None)
+def int8_activation_layouts() -> list[tuple[int, int]]:
+    """The (bits, panel width) whose weights compute with int8 activations in this build: (4, 16)
+    with AVX2; (8, 32) and (4, 32) too with AVX512-VNNI."""
+    if not cpu_kernels_available():
+        return []
+    return [(b, p) for b in (8, 4) for p in (16, 32) if ops.quantized_linear_int8_activations(b, p)]
+
+
+@pytest.mark.skipif(not int8_activation_layouts(), reason="the int8-activation paths are built only with AVX2")
+@settings(max_examples=40, deadline=None)
 @given(rows=st.integers(2, 40), k_group=in_features_and_group(), fp16_scales=st.booleans(),
-       threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
-def test_int8_activation_rows_do_not_depend_on_the_call(rows, k_group, fp16_scales, threads, seed):
+       threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**16),
+       layout=st.sampled_from(int8_activation_layouts() or [(4, 16)]))
+def test_int8_activation_rows_do_not_depend_on_the_call(rows, k_group, fp16_scales, threads, seed, layout):
     """A row's result is bit for bit the same alone or among any others: a request verified with k
     drafts gets the logits it gets decoded one token at a time, which greedy speculation needs."""
     in_features, group = k_group
+    bits, panel = layout
     g = torch.Generator().manual_seed(seed)
-    weight = quantize(torch.randn(37, in_features, generator=g), 4, group)
+    weight = quantize(torch.randn(37, in_features, generator=g), bits, group)
     if fp16_scales:
         weight = with_fp16_scales(weight)
     x = torch.randn(rows, in_features, generator=g) * torch.rand(rows, 1, generator=g) * 10
     with with_threads(threads):
-        together = run_quantized(x, weight, None, 16)
-        alone = torch.cat([run_quantized(x[i : i + 1], weight, None, 16) for i in range(rows)])
-        tail = run_quantized(x[rows // 2 :], weight, None, 16)
+        together = run_quantized(x, weight, None, panel)
+        alone = torch.cat([run_quantized(x[i : i + 1], weight, None, panel) for i in range(rows)])
+        tail = run_quantized(x[rows // 2 :], weight, None, panel)
     assert torch.equal(together, alone)
     assert torch.equal(together[rows // 2 :], tail)
 
 
-@pytest.mark.skipif(not cpu_kernels_available() or not ops.quantized_linear_int8_activations(),
-                    reason="the int8-activation path is built only with AVX2")
-def test_int8_activations_stay_close_to_float_ones():
+@pytest.mark.skipif(not int8_activation_layouts(), reason="the int8-activation paths are built only with AVX2")
+@pytest.mark.parametrize("layout", int8_activation_layouts() or [(4, 16)])
+def test_int8_activations_stay_close_to_float_ones(layout):
     """On SmolLM2's shapes, int8 activations per block of 32 move y by about 1% of its size (2-3% where
     a few features are 30 times the others, as in a model's residual stream), as llama.cpp's Q8
     activations do; what that costs a model is measured as perplexity (benchmarks/perplexity.py)."""
+    bits, panel = layout
     g = torch.Generator().manual_seed(0)
     for out_features, in_features in [(960, 576), (576, 1536)]:
-        weight = with_fp16_scales(ref.quantize_int4(torch.randn(out_features, in_features, generator=g), 32))
+        weight = with_fp16_scales(quantize(torch.randn(out_features, in_features, generator=g), bits, 32))
         for outliers, bound in [(1, 0.015), (30, 0.035)]:
             x = torch.randn(8, in_features, generator=g)
             x[:, ::97] *= outliers
-            got = run_quantized(x, weight, None, 16).double()
+            got = run_quantized(x, weight, None, panel).double()
             exact = reference(x, ref.dequantize(weight), None)
             assert (got - exact).norm() / exact.norm() < bound
             assert torch.nn.functional.cosine_similarity(got, exact, dim=1).min() > 0.999

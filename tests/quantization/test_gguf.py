@@ -20,6 +20,7 @@ from compiled_llm.bundled_model import bundled_gguf_path
 from compiled_llm.gguf_file import GGUFFileError, metadata_folder, open_gguf
 from compiled_llm.kernels.quantized_reference import QuantizedWeight, dequantize
 from compiled_llm.models.gguf_loader import iterate_gguf, rotary_row_order
+from compiled_llm.quantization.weight_only import quantizes_activations
 from tests.models.test_hf_parity import PROMPTS
 from tests.oracle import check_close, ours_greedy
 
@@ -73,8 +74,11 @@ def test_blocks_dequantize_as_the_gguf_package_does(gguf_path):
 
 
 def test_served_from_its_q4_1_file_matches_the_float32_conversion(llm, real_model_path):
-    """Q4_1 de-quantizes exactly into the float32 conversion's weights: only the order of the sums
-    differs, so greedy tokens agree, or where they part each is in the other's top 5."""
+    """Q4_1 de-quantizes exactly into the float32 conversion's weights: where the kernels take float
+    activations only the order of the sums differs, so greedy tokens agree, or where they part each
+    is in the other's top 5. Where the Q8_0 head's kernel quantizes its activations to int8 too
+    (AVX512-VNNI, as llama.cpp does), texts part sooner (perplexity +0.3%, benchmarks/perplexity.py):
+    the top-5 rule still holds where they part."""
     params = SamplingParams(temperature=0.0, max_tokens=32, logprobs=5, ignore_eos=True)
     ours = llm.generate(PROMPTS, params, use_tqdm=False)
     float32 = LLM(real_model_path, optimization_level=0, **ENGINE)
@@ -82,7 +86,8 @@ def test_served_from_its_q4_1_file_matches_the_float32_conversion(llm, real_mode
     del float32
     assert [o.prompt_token_ids for o in ours] == [r.prompt_token_ids for r in reference]  # the same tokenizer
     exact = check_close(ours_greedy(ours), ours_greedy(reference), "gguf", "float32")
-    assert exact >= len(PROMPTS) // 2, f"only {exact} of {len(PROMPTS)} prompts matched exactly"
+    if not quantizes_activations(8):
+        assert exact >= len(PROMPTS) // 2, f"only {exact} of {len(PROMPTS)} prompts matched exactly"
 
 
 def test_precompile_then_strict_warm_start_compiles_nothing(llm, precompiled):

@@ -37,7 +37,8 @@
 // A call with at most `few_rows` rows takes the first, and so does one of up to twice as many
 // (in blocks; see quantized_gemm); any other the second.
 // On AVX2, 4-bit weights in 16-wide panels take neither: they multiply activations quantized to
-// int8 in integer lanes (q8_gemm below), at every row count.
+// int8 in integer lanes (q8_gemm below), at every row count; with AVX512-VNNI (and VBMI) so do
+// 8- and 4-bit weights in 32-wide panels (vnni_gemm).
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -257,6 +258,24 @@ std::vector<float> group_sums(const float* x, int64_t xs, int64_t M, int64_t K, 
 }
 
 #if defined(__AVX2__)
+constexpr int64_t kQ8Block = 32;
+
+// One block of 32 inputs quantized to int8, as both int8-activation paths (and
+// quantized_reference.int8_activations) do it: d = max |x| / 127, q = round(x * (127 / max |x|)).
+// Returns d; `qsum` gets the sum of q.
+inline float quantize_block(const float* __restrict p, int8_t* __restrict q, int* qsum) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < kQ8Block; i++) amax = std::max(amax, std::fabs(p[i]));
+  const float d = amax / 127.f, inverse = amax > 0.f ? 127.f / amax : 0.f;
+  int sum = 0;
+  for (int64_t i = 0; i < kQ8Block; i++) {
+    q[i] = static_cast<int8_t>(std::nearbyint(p[i] * inverse));
+    sum += q[i];
+  }
+  *qsum = sum;
+  return d;
+}
+
 // 4-bit weights in 16-wide panels times activations quantized to int8, on AVX2: llama.cpp's way
 // (its Q4 x Q8 dot products). Each row of x is cut into blocks of 32 inputs, each block scaled to
 // int8 by its largest magnitude (d = max |x| / 127, q = round(x / d)); then a weight's 4-bit q and
@@ -273,7 +292,6 @@ std::vector<float> group_sums(const float* x, int64_t xs, int64_t M, int64_t K, 
 // result depends only on that row (the integer sums are exact and the float steps come in one
 // order), never on how many rows the call has: a request's logits are the same whether verified
 // with drafts or decoded alone, which greedy speculation's exactness leans on.
-constexpr int64_t kQ8Block = 32;
 constexpr int kQ8Rows = 4;  // rows per micro-kernel call: 2 accumulators a row, 16 ymm registers
 
 // x's rows quantized, as the micro-kernel reads them: for each 4 inputs k..k+3, one vector whose
@@ -291,21 +309,13 @@ Q8Rows quantize_rows(const float* x, int64_t xs, int64_t M, int64_t K, int64_t G
            std::vector<float>(M * groups, 0.f)};
   auto row = [&](int64_t m) {
     for (int64_t b = 0; b < blocks; b++) {
-      const float* p = x + m * xs + b * kQ8Block;
-      float amax = 0.f;
-      for (int64_t i = 0; i < kQ8Block; i++) amax = std::max(amax, std::fabs(p[i]));
-      const float d = amax / 127.f, inverse = amax > 0.f ? 127.f / amax : 0.f;
+      int8_t q[kQ8Block];
+      int qsum;
+      const float d = quantize_block(x + m * xs + b * kQ8Block, q, &qsum);
       r.scale[m * blocks + b] = d;
-      uint8_t q[kQ8Block];
-      int qsum = 0;
-      for (int64_t i = 0; i < kQ8Block; i++) {
-        const int8_t v = static_cast<int8_t>(std::nearbyint(p[i] * inverse));
-        q[i] = static_cast<uint8_t>(v);
-        qsum += v;
-      }
       r.sum[m * groups + b * kQ8Block / G] += d * static_cast<float>(qsum);
       for (int64_t c = 0; c < kQ8Block / 4; c++) {
-        const uint8_t* u = q + 4 * c;
+        const uint8_t* u = reinterpret_cast<const uint8_t*>(q) + 4 * c;
         const short low = static_cast<short>(u[0] | u[1] << 8), high = static_cast<short>(u[2] | u[3] << 8);
         r.pairs[m * chunks + b * (kQ8Block / 4) + c] = _mm256_setr_m128i(_mm_set1_epi16(low), _mm_set1_epi16(high));
       }
@@ -419,12 +429,193 @@ void q8_gemm(const float* x, int64_t xs, int64_t M, const uint8_t* packed, int64
 }
 #endif
 
+#if defined(__AVX2__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+#define COMPILED_LLM_VNNI 1
+// 8- and 4-bit weights in 32-wide panels (AVX-512's layout) times activations quantized to int8 as
+// above, with AVX512-VNNI's vpdpbusd: one instruction multiplies 64 unsigned bytes by 64 signed
+// ones and adds each 4 products into an int32 lane. A lane must hold 4 consecutive k of one
+// feature, so each 4 k of a panel are regrouped with one byte permute (AVX512-VBMI) per 16
+// features: 4-bit weights (0..15, unsigned) are split into nibbles first and multiply the signed
+// activations; 8-bit weights (signed) take the activations offset by 128 as the unsigned side,
+// and each block's sum of 128 w, counted once per panel for all rows, is taken off again. About 5
+// operations per 128 weights shared by every row, and 2 per row (AVX2's path spends 4 and 3 per
+// 64), so a verification of 5 rows costs little more than a decode of 1, and a batch of 32 far
+// less than the float kernels.
+// As on AVX2, each row's result depends only on that row (exact integer sums, float steps in one
+// fixed order), so a request's logits do not depend on the batch it is computed in.
+
+// Rows per micro-kernel call: 2 int32 accumulators a row in registers (the float totals, touched
+// once per 32 k, in memory), so that a verification's 1 + k rows unpack each panel once.
+constexpr int kVnniRows = 8;
+
+// x's rows quantized: q [M][K] int8 (offset by 128 into uint8 for 8-bit weights), scale
+// [M][K / 32], and (4-bit) each weight group's sum of d q, for the mins.
+struct Int8Rows {
+  std::vector<int8_t> q;
+  std::vector<float> scale;
+  std::vector<float> sum;
+};
+
+Int8Rows quantize_rows_int8(const float* x, int64_t xs, int64_t M, int64_t K, int64_t G, bool offset) {
+  const int64_t blocks = K / kQ8Block, groups = group_count(K, G);
+  Int8Rows r{std::vector<int8_t>(M * K), std::vector<float>(M * blocks), std::vector<float>(M * groups, 0.f)};
+  auto row = [&](int64_t m) {
+    for (int64_t b = 0; b < blocks; b++) {
+      int8_t* q = r.q.data() + m * K + b * kQ8Block;
+      int qsum;
+      const float d = quantize_block(x + m * xs + b * kQ8Block, q, &qsum);
+      r.scale[m * blocks + b] = d;
+      r.sum[m * groups + b * kQ8Block / G] += d * static_cast<float>(qsum);
+      if (offset)  // q + 128 as an unsigned byte is q with its top bit flipped
+        for (int64_t i = 0; i < kQ8Block; i++) q[i] = static_cast<int8_t>(static_cast<uint8_t>(q[i]) ^ 0x80);
+    }
+  };
+  if (M * K < (1 << 16)) {  // a decode's few rows: not worth waking the pool
+    for (int64_t m = 0; m < M; m++) row(m);
+  } else {
+    parallel_chunks(M, row);
+  }
+  return r;
+}
+
+// The byte permutes that regroup 4 k of a panel into 16 lanes of 4 k each (byte 4 i + k of the
+// result): for 4-bit weights, from one 64-byte vector of nibbles (byte 16 k + i: feature i, or
+// feature 16 + i in the high nibbles); for 8-bit, from two (k, k + 1 and k + 2, k + 3; byte 32 k +
+// i: feature i), `half` 0 for features 0..15 and 1 for 16..31.
+inline __m512i vnni_order(int bits, int half) {
+  alignas(64) uint8_t index[64];
+  for (int i = 0; i < 16; i++)
+    for (int k = 0; k < 4; k++) index[4 * i + k] = static_cast<uint8_t>(bits == 4 ? 16 * k + i : 32 * k + 16 * half + i);
+  return _mm512_load_si512(index);
+}
+
+inline __m512i broadcast_4_bytes(const int8_t* p) {
+  int32_t v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return _mm512_set1_epi32(v);
+}
+
+// y[0:MR, 0:cols] = x[0:MR, :] . dequant(panel) + bias for a 32-wide panel, x given as Int8Rows at
+// this block's first row (`xq` row stride K, `xscale` blocks, `xsum` groups).
+template <int MR, int Bits, typename S>
+void vnni_rows_kernel(const int8_t* __restrict xq, const float* __restrict xscale, int64_t blocks,
+                      const float* __restrict xsum, const uint8_t* __restrict panel, int64_t K, int64_t G,
+                      const __m512i (&order)[2], float* __restrict y, int64_t ys, int64_t cols,
+                      const float* __restrict bias) {
+  constexpr int NR = 32;
+  constexpr int64_t step = 4 * NR * Bits / 8;  // bytes of 4 k
+  const int64_t block = block_bytes(NR, Bits, sizeof(S), G), groups = group_count(K, G);
+  const __m512i nibble = _mm512_set1_epi8(15), ones = _mm512_set1_epi8(1);
+  alignas(64) float total[MR][NR] = {};
+  for (int64_t g = 0; g < groups; g++) {
+    const uint8_t* blk = panel + g * block;
+    prefetch_bytes(blk + kPrefetchBytes, block);
+    const S* scale = reinterpret_cast<const S*>(blk);
+    const __m512 s[2] = {(__m512)load_widened<v16>(scale), (__m512)load_widened<v16>(scale + 16)};
+    const uint8_t* q = blk + scale_bytes(NR, Bits, sizeof(S));
+    const int64_t length = std::min(G, K - g * G);  // a multiple of 32
+    for (int64_t sub = 0; sub < length; sub += kQ8Block) {
+      // 32 k: each int32 lane sums at most 32 products of 15 x 128 or 255 x 128, far from overflowing.
+      __m512i acc[MR][2], wsum[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+      for (int m = 0; m < MR; m++) acc[m][0] = acc[m][1] = _mm512_setzero_si512();
+      const uint8_t* qs = q + sub / 4 * step;
+      const int8_t* xk = xq + g * G + sub;
+#pragma GCC unroll 8
+      for (int c = 0; c < kQ8Block / 4; c++) {
+        __m512i w[2];
+        if constexpr (Bits == 4) {
+          const __m512i raw = _mm512_loadu_si512(qs + c * step);
+          w[0] = _mm512_permutexvar_epi8(order[0], _mm512_and_si512(raw, nibble));
+          w[1] = _mm512_permutexvar_epi8(order[0], _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble));
+        } else {
+          const __m512i k01 = _mm512_loadu_si512(qs + c * step), k23 = _mm512_loadu_si512(qs + c * step + 64);
+          w[0] = _mm512_permutex2var_epi8(k01, order[0], k23);
+          w[1] = _mm512_permutex2var_epi8(k01, order[1], k23);
+          wsum[0] = _mm512_dpbusd_epi32(wsum[0], ones, w[0]);
+          wsum[1] = _mm512_dpbusd_epi32(wsum[1], ones, w[1]);
+        }
+        for (int m = 0; m < MR; m++) {
+          const __m512i a = broadcast_4_bytes(xk + m * K + 4 * c);
+          if constexpr (Bits == 4) {  // weights unsigned, activations signed
+            acc[m][0] = _mm512_dpbusd_epi32(acc[m][0], w[0], a);
+            acc[m][1] = _mm512_dpbusd_epi32(acc[m][1], w[1], a);
+          } else {  // activations + 128 unsigned, weights signed
+            acc[m][0] = _mm512_dpbusd_epi32(acc[m][0], a, w[0]);
+            acc[m][1] = _mm512_dpbusd_epi32(acc[m][1], a, w[1]);
+          }
+        }
+      }
+      if constexpr (Bits == 8)
+        for (int j = 0; j < 2; j++) {
+          const __m512i offset = _mm512_slli_epi32(wsum[j], 7);
+          for (int m = 0; m < MR; m++) acc[m][j] = _mm512_sub_epi32(acc[m][j], offset);
+        }
+      const int64_t b = (g * G + sub) / kQ8Block;
+      for (int m = 0; m < MR; m++) {
+        const __m512 d = _mm512_set1_ps(xscale[m * blocks + b]);
+        for (int j = 0; j < 2; j++) {
+          float* t = total[m] + 16 * j;
+          _mm512_store_ps(t, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m][j]), _mm512_mul_ps(s[j], d), _mm512_load_ps(t)));
+        }
+      }
+    }
+    if constexpr (Bits == 4) {
+      const __m512 mn[2] = {(__m512)load_widened<v16>(scale + NR), (__m512)load_widened<v16>(scale + NR + 16)};
+      for (int m = 0; m < MR; m++) {
+        const __m512 xg = _mm512_set1_ps(xsum[m * groups + g]);
+        for (int j = 0; j < 2; j++) {
+          float* t = total[m] + 16 * j;
+          _mm512_store_ps(t, _mm512_fmadd_ps(mn[j], xg, _mm512_load_ps(t)));
+        }
+      }
+    }
+  }
+  v16 out[MR][2];
+  for (int m = 0; m < MR; m++)
+    for (int j = 0; j < 2; j++) out[m][j] = load<v16>(total[m] + 16 * j);
+  store_tile<v16, 2, MR>(out, y, ys, cols, bias);
+}
+
+template <int Bits, typename S>
+void vnni_gemm(const float* x, int64_t xs, int64_t M, const uint8_t* packed, int64_t K, int64_t N, int64_t G,
+               const float* bias, float* y) {
+  constexpr int64_t NR = 32;
+  const int64_t groups = group_count(K, G), panels = (N + NR - 1) / NR, blocks = K / kQ8Block;
+  const int64_t stride = panel_bytes(NR, Bits, sizeof(S), K, G);
+  const Int8Rows rows_q8 = quantize_rows_int8(x, xs, M, K, G, Bits == 8);
+  const __m512i order[2] = {vnni_order(Bits, 0), vnni_order(Bits, 1)};
+  parallel_panels(M, K, panels, stride, kItemBytes, kVnniRows, [&](int64_t m0, int64_t m1, int64_t p) {
+    const uint8_t* panel = packed + p * stride;
+    const int64_t n0 = p * NR, cols = std::min(NR, N - n0);
+    const float* b = bias ? bias + n0 : nullptr;
+    for (int64_t m = m0; m < m1; m += kVnniRows) {
+      const int8_t* xq = rows_q8.q.data() + m * K;
+      const float* xd = rows_q8.scale.data() + m * blocks;
+      const float* xg = rows_q8.sum.data() + m * groups;
+      float* yp = y + m * N + n0;
+      switch (std::min<int64_t>(kVnniRows, m1 - m)) {
+#define CASE(R)                                                                           \
+  case R:                                                                                 \
+    vnni_rows_kernel<R, Bits, S>(xq, xd, blocks, xg, panel, K, G, order, yp, N, cols, b); \
+    break;
+        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7)
+#undef CASE
+        default: vnni_rows_kernel<8, Bits, S>(xq, xd, blocks, xg, panel, K, G, order, yp, N, cols, b);
+      }
+    }
+  });
+}
+#endif
+
 template <typename V, int NV, int Bits, typename S>
 void quantized_gemm(const float* x, int64_t xs, int64_t M, const uint8_t* packed, int64_t K, int64_t N, int64_t G,
                     const float* bias, float* y) {
   constexpr int64_t NR = NV * lanes<V>();
 #if defined(__AVX2__)
   if constexpr (Bits == 4 && NR == 16) return q8_gemm<S>(x, xs, M, packed, K, N, G, bias, y);
+#endif
+#if defined(COMPILED_LLM_VNNI)
+  if constexpr (NR == 32) return vnni_gemm<Bits, S>(x, xs, M, packed, K, N, G, bias, y);
 #endif
   const int64_t groups = group_count(K, G), panels = (N + NR - 1) / NR;
   const int64_t stride = panel_bytes(NR, Bits, sizeof(S), K, G);
@@ -571,17 +762,22 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& packed, const
 
 }  // namespace
 
-// Whether 4-bit weights in 16-wide panels compute with int8 activations (q8_gemm) in this build.
-bool quantized_linear_int8_activations() {
+// Whether weights of `bits` in panels `panel` wide compute with int8 activations in this build:
+// 4-bit ones in 16-wide panels wherever there is AVX2 (q8_gemm), 8- and 4-bit ones in 32-wide
+// panels where there is AVX512-VNNI too (vnni_gemm).
+bool quantized_linear_int8_activations(int64_t bits, int64_t panel) {
+#if defined(COMPILED_LLM_VNNI)
+  if (panel == 32) return bits == 8 || bits == 4;
+#endif
 #if defined(__AVX2__)
-  return true;
+  return bits == 4 && panel == 16;
 #else
   return false;
 #endif
 }
 
 TORCH_LIBRARY_FRAGMENT(compiled_llm_cpu, m) {
-  m.def("quantized_linear_int8_activations() -> bool", quantized_linear_int8_activations);
+  m.def("quantized_linear_int8_activations(int bits, int panel) -> bool", quantized_linear_int8_activations);
   m.def("pack_quantized_weight(Tensor q, Tensor scales, Tensor? mins, int bits, int group_size, int panel=0) -> Tensor");
   m.def(
       "quantized_linear(Tensor x, Tensor packed, Tensor? bias, int out_features, int in_features, int bits, "
