@@ -56,6 +56,89 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
   }
 }
 
+#if defined(__AVX512F__)
+// With AVX-512 (head_dim a multiple of 16), decode_range computes a block's scores 16 positions
+// at a time against its keys transposed in registers (kt[d]: dimension d of the 16 positions), so
+// that each query row costs one FMA per dimension and no horizontal sums, and its weighted
+// values 4 rows at a time, each value row loaded once for them: a verification's 5 query tokens
+// (15 rows a KV head for SmolLM2) then cost little more than a decode's 1.
+inline void transpose16x16(__m512 (&r)[16]) {
+  __m512 t[16], u[16], v[16];
+  for (int i = 0; i < 8; i++) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; i++) {
+    u[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int i = 0; i < 2; i++)
+    for (int k = 0; k < 4; k++) {
+      v[8 * i + k] = _mm512_shuffle_f32x4(u[8 * i + k], u[8 * i + 4 + k], 0x88);
+      v[8 * i + 4 + k] = _mm512_shuffle_f32x4(u[8 * i + k], u[8 * i + 4 + k], 0xDD);
+    }
+  for (int k = 0; k < 8; k++) {
+    r[k] = _mm512_shuffle_f32x4(v[k], v[8 + k], 0x88);
+    r[8 + k] = _mm512_shuffle_f32x4(v[k], v[8 + k], 0xDD);
+  }
+}
+
+// kt[d][0..16) = key row i0 + p's dimension d (p < n; zero past n), for a tile of 16 positions.
+template <int D>
+inline void transpose_keys(const float* kb, int64_t token_stride, int64_t n, float (*kt)[16]) {
+  for (int c = 0; c < D / 16; c++) {
+    __m512 r[16];
+    for (int p = 0; p < 16; p++) r[p] = p < n ? _mm512_loadu_ps(kb + p * token_stride + 16 * c) : _mm512_setzero_ps();
+    transpose16x16(r);
+    for (int d = 0; d < 16; d++) _mm512_store_ps(kt[16 * c + d], r[d]);
+  }
+}
+
+// s[i][0..n) = scale * q[i] . key(p) for R query rows against a transposed tile. Two accumulators
+// a row (even and odd dimensions), in the same order for every row whatever R is.
+template <int D, int R>
+inline void score_rows(const float* const* q, const float (*kt)[16], float scale, float* const* s, int64_t n) {
+  __m512 a[R][2];
+  for (int i = 0; i < R; i++) a[i][0] = a[i][1] = _mm512_setzero_ps();
+  for (int d = 0; d < D; d += 2) {
+    const __m512 k0 = _mm512_load_ps(kt[d]), k1 = _mm512_load_ps(kt[d + 1]);
+    for (int i = 0; i < R; i++) {
+      a[i][0] = _mm512_fmadd_ps(_mm512_set1_ps(q[i][d]), k0, a[i][0]);
+      a[i][1] = _mm512_fmadd_ps(_mm512_set1_ps(q[i][d + 1]), k1, a[i][1]);
+    }
+  }
+  const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+  for (int i = 0; i < R; i++)
+    _mm512_mask_storeu_ps(s[i], mask, _mm512_mul_ps(_mm512_add_ps(a[i][0], a[i][1]), _mm512_set1_ps(scale)));
+}
+
+// o[i] += sum over p < n of w[i][p] * value(p) for R rows, each value row loaded once for all.
+template <int D, int R>
+inline void weigh_rows(const float* vb, int64_t token_stride, int64_t n, const float* const* w, float* const* o) {
+  __m512 acc[R][D / 16];
+  for (int i = 0; i < R; i++)
+    for (int c = 0; c < D / 16; c++) acc[i][c] = _mm512_loadu_ps(o[i] + 16 * c);
+  for (int64_t p = 0; p < n; p++) {
+    __m512 v[D / 16];
+    for (int c = 0; c < D / 16; c++) v[c] = _mm512_loadu_ps(vb + p * token_stride + 16 * c);
+    for (int i = 0; i < R; i++) {
+      const __m512 wi = _mm512_set1_ps(w[i][p]);
+      for (int c = 0; c < D / 16; c++) acc[i][c] = _mm512_fmadd_ps(wi, v[c], acc[i][c]);
+    }
+  }
+  for (int i = 0; i < R; i++)
+    for (int c = 0; c < D / 16; c++) _mm512_storeu_ps(o[i] + 16 * c, acc[i][c]);
+}
+
+// Rows per score_rows / weigh_rows call: their accumulators fit the 32 registers.
+template <int D>
+constexpr int wide_rows() {
+  return D <= 64 ? 4 : 2;
+}
+#endif
+
 // Decode attention of one request's query tokens (q_len of them, q_stride floats apart) for KV
 // heads [h0, h1) over context positions [p0, p1) (p0 a multiple of block_size). Query token j
 // sees positions below seq_len - q_len + j + 1 (causal). `out` holds, for each token
@@ -90,8 +173,51 @@ void decode_range(const float* q_req, int64_t q_stride, float* out, int64_t out_
         __builtin_prefetch(base + i * token_stride * static_cast<int64_t>(sizeof(float)) + off);
   };
   prefetch_block(kc, b0);
+#if defined(__AVX512F__)
+  constexpr bool wide = D % 16 == 0;
+#else
+  constexpr bool wide = false;
+#endif
+  const int64_t head_rows = q_len * group;  // a KV head's query rows: (token, head in the group)
+  // Row i of KV head h: its row in `scores` and its query.
+  auto row_of = [&](int64_t h, int64_t i) { return i / group * heads + (h - h0) * group + i % group; };
+  auto query_of = [&](int64_t h, int64_t i) { return q_req + i / group * q_stride + (h * group + i % group) * D; };
   // Scores.
-  for (int64_t b = b0; b < b1; b++) {
+#if defined(__AVX512F__)
+  if constexpr (wide) {
+    constexpr int R = wide_rows<D>();
+    for (int64_t b = b0; b < b1; b++) {
+      const float* kb = kc + table[b] * block_stride;
+      const int64_t first = b * block_size - p0, block_n = std::min(block_size, p1 - b * block_size);
+      prefetch_block(kc, b + 1);
+      for (int64_t h = h0; h < h1; h++) {
+        for (int64_t i0 = 0; i0 < block_n; i0 += 16) {
+          const int64_t n = std::min<int64_t>(16, block_n - i0);
+          alignas(64) float kt[D][16];
+          transpose_keys<D>(kb + i0 * token_stride + h * D, token_stride, n, kt);
+          // Every row of the head, those past their causal limit too (their softmax reads only
+          // the positions they see; the rest is zeroed before the values are weighed).
+          for (int64_t i = 0; i < head_rows; i += R) {
+            const float* q[R];
+            float* out_rows[R];
+            const int rows_here = static_cast<int>(std::min<int64_t>(R, head_rows - i));
+            for (int r = 0; r < rows_here; r++) {
+              q[r] = query_of(h, i + r);
+              out_rows[r] = scores.data() + row_of(h, i + r) * len + first + i0;
+            }
+            switch (rows_here) {
+              case 1: score_rows<D, 1>(q, kt, scale, out_rows, n); break;
+              case 2: score_rows<D, 2>(q, kt, scale, out_rows, n); break;
+              case 3: score_rows<D, 3 <= R ? 3 : 1>(q, kt, scale, out_rows, n); break;
+              default: score_rows<D, R>(q, kt, scale, out_rows, n);
+            }
+          }
+        }
+      }
+    }
+  }
+#endif
+  for (int64_t b = wide ? b1 : b0; b < b1; b++) {
     const float* kb = kc + table[b] * block_stride;
     const int64_t first = b * block_size - p0, block_n = std::min(block_size, p1 - b * block_size);
     prefetch_block(kc, b + 1);
@@ -132,11 +258,42 @@ void decode_range(const float* q_req, int64_t q_stride, float* out, int64_t out_
     const int64_t n = visible(row / heads);
     row_max[row] = max_of(s, n);
     denom[row] = n > 0 ? exp_sum_inplace(s, n, row_max[row]) : 0.f;
+    if (wide) std::fill(s + n, s + len, 0.f);  // weighed with the rows that see further: adds zeros
   }
   // Weighted values, accumulated into the output rows block by block.
   for (int64_t j = 0; j < q_len; j++) std::fill(out + j * out_stride, out + j * out_stride + heads * D, 0.f);
   prefetch_block(vc, b0);
-  for (int64_t b = b0; b < b1; b++) {
+#if defined(__AVX512F__)
+  if constexpr (wide) {
+    constexpr int R = wide_rows<D>();
+    for (int64_t b = b0; b < b1; b++) {
+      const float* vb = vc + table[b] * block_stride;
+      const int64_t first = b * block_size - p0, block_n = std::min(block_size, p1 - b * block_size);
+      prefetch_block(vc, b + 1);
+      for (int64_t h = h0; h < h1; h++) {
+        for (int64_t i = 0; i < head_rows; i += R) {
+          const int rows_here = static_cast<int>(std::min<int64_t>(R, head_rows - i));
+          // The positions the furthest-seeing of these rows sees in this block.
+          const int64_t n = std::min(block_n, visible((i + rows_here - 1) / group) - first);
+          if (n <= 0) continue;
+          const float* w[R];
+          float* o[R];
+          for (int r = 0; r < rows_here; r++) {
+            w[r] = scores.data() + row_of(h, i + r) * len + first;
+            o[r] = out + (i + r) / group * out_stride + ((h - h0) * group + (i + r) % group) * D;
+          }
+          switch (rows_here) {
+            case 1: weigh_rows<D, 1>(vb + h * D, token_stride, n, w, o); break;
+            case 2: weigh_rows<D, 2>(vb + h * D, token_stride, n, w, o); break;
+            case 3: weigh_rows<D, 3 <= R ? 3 : 1>(vb + h * D, token_stride, n, w, o); break;
+            default: weigh_rows<D, R>(vb + h * D, token_stride, n, w, o);
+          }
+        }
+      }
+    }
+  }
+#endif
+  for (int64_t b = wide ? b1 : b0; b < b1; b++) {
     const float* vb = vc + table[b] * block_stride;
     const int64_t first = b * block_size - p0, block_n = std::min(block_size, p1 - b * block_size);
     prefetch_block(vc, b + 1);
