@@ -96,22 +96,26 @@ inline void transpose_keys(const float* kb, int64_t token_stride, int64_t n, flo
   }
 }
 
-// s[i][0..n) = scale * q[i] . key(p) for R query rows against a transposed tile. Two accumulators
-// a row (even and odd dimensions), in the same order for every row whatever R is.
+// s[i][0..n) = scale * q[i] . key(p) for R query rows against a transposed tile. D / 16
+// accumulators a row (dimension d in d % (D / 16)), summed pairwise: each chain is 16 products
+// long, as each lane's is in the AVX2 kernel, and the same for every row whatever R is.
 template <int D, int R>
 inline void score_rows(const float* const* q, const float (*kt)[16], float scale, float* const* s, int64_t n) {
-  __m512 a[R][2];
-  for (int i = 0; i < R; i++) a[i][0] = a[i][1] = _mm512_setzero_ps();
-  for (int d = 0; d < D; d += 2) {
-    const __m512 k0 = _mm512_load_ps(kt[d]), k1 = _mm512_load_ps(kt[d + 1]);
-    for (int i = 0; i < R; i++) {
-      a[i][0] = _mm512_fmadd_ps(_mm512_set1_ps(q[i][d]), k0, a[i][0]);
-      a[i][1] = _mm512_fmadd_ps(_mm512_set1_ps(q[i][d + 1]), k1, a[i][1]);
-    }
-  }
-  const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+  constexpr int A = D / 16;
+  __m512 a[R][A];
   for (int i = 0; i < R; i++)
-    _mm512_mask_storeu_ps(s[i], mask, _mm512_mul_ps(_mm512_add_ps(a[i][0], a[i][1]), _mm512_set1_ps(scale)));
+    for (int u = 0; u < A; u++) a[i][u] = _mm512_setzero_ps();
+  for (int d = 0; d < D; d += A)
+    for (int u = 0; u < A; u++) {
+      const __m512 k = _mm512_load_ps(kt[d + u]);
+      for (int i = 0; i < R; i++) a[i][u] = _mm512_fmadd_ps(_mm512_set1_ps(q[i][d + u]), k, a[i][u]);
+    }
+  const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+  for (int i = 0; i < R; i++) {
+    for (int width = A / 2; width > 0; width /= 2)
+      for (int u = 0; u < width; u++) a[i][u] = _mm512_add_ps(a[i][u], a[i][u + width]);
+    _mm512_mask_storeu_ps(s[i], mask, _mm512_mul_ps(a[i][0], _mm512_set1_ps(scale)));
+  }
 }
 
 // o[i] += sum over p < n of w[i][p] * value(p) for R rows, each value row loaded once for all.
@@ -132,11 +136,12 @@ inline void weigh_rows(const float* vb, int64_t token_stride, int64_t n, const f
     for (int c = 0; c < D / 16; c++) _mm512_storeu_ps(o[i] + 16 * c, acc[i][c]);
 }
 
-// Rows per score_rows / weigh_rows call: their accumulators fit the 32 registers.
+// Rows per score_rows / weigh_rows call: their accumulators (D / 16 a row) fit the 32 registers.
 template <int D>
 constexpr int wide_rows() {
   return D <= 64 ? 4 : 2;
 }
+static_assert((64 / 16) * wide_rows<64>() <= 16 && (128 / 16) * wide_rows<128>() <= 16);
 #endif
 
 // Decode attention of one request's query tokens (q_len of them, q_stride floats apart) for KV
