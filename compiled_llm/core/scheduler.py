@@ -235,6 +235,8 @@ class Scheduler:
         if request.ngram is None:
             assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
             request.ngram = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max, request.all_token_ids)
+            request.spec_backoff.probe(self._acceptance_needed(request, len(self.running)))
+            room = min(room, request.spec_backoff.length)
         drafts = request.ngram.propose(room)
         if drafts and request.grammar is not None:  # a draft the grammar forbids would be rejected
             drafts = drafts[: request.grammar.valid_prefix(drafts)]

@@ -18,6 +18,8 @@ draft costs one row, and an accepted one saves its request's share of a step (`s
 measures a step's fixed cost F in rows as the engine runs), so at B requests drafts pay while the
 share accepted exceeds B / (B + F) (`min_acceptance`). A request that keeps long runs (a copy)
 speculates at any batch; one matching in short runs stops where its drafts cost more than they save.
+Where that bar is above one half, untried drafts (a request's first, or the first after a pause)
+are probed one at a time.
 
 Exactness depends on none of this: it only decides how many drafts are proposed.
 """
@@ -29,6 +31,10 @@ _WEIGHT = 0.5  # of the latest verification in the average
 _FIRST_PAUSE, _LONGEST_PAUSE = 8, 128
 FIRST_LENGTH, _LONGEST = 4, 64
 MOST_NEEDED = 0.95  # a request whose drafts all land keeps proposing, whatever the fit says
+# Where drafts must land more often than this to pay (a large batch on a CPU), a request whose
+# drafts are untried (its first proposal, or the first after a pause) proposes one: a probe
+# costs one row, where k drafts of prose cost k rows for a third of a token.
+PROBE_ABOVE = 0.5
 
 
 def min_acceptance(batch: int, step_fixed_rows: float | None) -> float:
@@ -48,6 +54,12 @@ class AcceptanceBackoff:
         self.pause_left = 0
         self.next_pause = _FIRST_PAUSE
         self.length = FIRST_LENGTH  # drafts to propose next, before num_speculative_tokens caps it
+
+    def probe(self, needed: float) -> None:
+        """Before a request's first proposal: at a bar above `PROBE_ABOVE`, start with one draft
+        (it doubles while all land)."""
+        if needed > PROBE_ABOVE:
+            self.length = 1
 
     def may_propose(self) -> bool:
         """Called once per decode step of the request: False while it is paused."""
@@ -71,3 +83,4 @@ class AcceptanceBackoff:
         self.pause_left = self.next_pause
         self.next_pause = min(2 * self.next_pause, _LONGEST_PAUSE)
         self.acceptance = max(0.5, needed)  # the next try starts even: one good verification keeps it going
+        self.probe(needed)

@@ -8,7 +8,7 @@ from compiled_llm.core.request import Request
 from compiled_llm.core.scheduler import Scheduler
 from compiled_llm.messages.runner_output import ModelRunnerOutput
 from compiled_llm.sampling_params import SamplingParams
-from compiled_llm.spec_decode.backoff import MIN_ACCEPTANCE, AcceptanceBackoff, min_acceptance
+from compiled_llm.spec_decode.backoff import FIRST_LENGTH, MIN_ACCEPTANCE, AcceptanceBackoff, min_acceptance
 
 
 def pauses(backoff: AcceptanceBackoff, verdicts: list[int], k: int = 4, needed: float = MIN_ACCEPTANCE) -> list[int]:
@@ -128,3 +128,44 @@ def test_the_scheduler_asks_more_of_a_batch_of_requests_where_rows_cost_compute(
     free = verified(True, lambda rows: 5e-3)
     unmeasured = verified(False, lambda rows: 6.5e-3 + 2e-3 * rows)
     assert free == unmeasured and costly < free / 2, (costly, free)
+
+
+def test_untried_drafts_are_probed_one_at_a_time_where_the_bar_is_high():
+    """At 32 requests (a bar of 89% with a fixed cost of 4 rows) a request's first proposal, and its
+    first after a pause, is one draft, doubled while all land; alone (a bar of 20%) it starts at
+    FIRST_LENGTH."""
+    alone = AcceptanceBackoff()
+    alone.probe(min_acceptance(1, 4.0))
+    assert alone.length == FIRST_LENGTH
+    b, needed = AcceptanceBackoff(), min_acceptance(32, 4.0)
+    b.probe(needed)
+    lengths = [b.length]
+    for drafts, accepted in [(1, 1), (2, 2), (4, 1)]:
+        b.record(drafts, accepted, needed)
+        lengths.append(b.length)
+    assert lengths == [1, 2, 4, 1] and b.pause_left  # the last verification paused it
+
+
+def test_the_scheduler_probes_with_one_draft_in_a_batch_where_rows_cost_compute():
+    """With a measured fixed cost of 3.25 rows, eight requests' first proposals are one draft each
+    (a bar of 71%); one request alone gets FIRST_LENGTH (a bar of 24%)."""
+    def first_drafts(n: int) -> list[int]:
+        s = Scheduler(SchedulerConfig(8, 256, 512), CacheConfig(block_size=4), 512, SpeculativeConfig("ngram", 4, 1, 1),
+                      measure_step_cost=True)
+        for step in range(20):  # steps of 1..9 rows at 6.5 ms + 2 ms a row
+            rows = 1 + step % 9
+            s.step_cost.observe(rows, 6.5e-3 + 2e-3 * rows)
+        assert abs(s.step_cost.fixed_rows() - 3.25) < 0.01
+        for i in range(n):
+            s.add_request(Request(f"r{i}", [5, 6, 5, 6, 5, 6, 5], SamplingParams(max_tokens=20), [2], 4))
+        first: dict[str, int] = {}
+        while len(first) < n:
+            out = s.schedule()
+            ids = list(out.num_scheduled_tokens)
+            for rid, drafts in out.scheduled_spec_decode_tokens.items():
+                first.setdefault(rid, len(drafts))
+            s.update_from_output(out, ModelRunnerOutput(ids, [[s.requests[r].all_token_ids[-2]] for r in ids]))
+        return list(first.values())
+
+    assert first_drafts(8) == [1] * 8
+    assert first_drafts(1) == [FIRST_LENGTH]
