@@ -40,6 +40,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 VERSION = "0.3.36"
 RESULT_TAG = "PEER_RESULT "
+# "1": the worker loads models with llama.cpp's extra buffer types off (see repacking_crashes).
+NO_EXTRA_BUFTS_ENV = "LLAMA_NO_EXTRA_BUFTS"
 
 
 # ---- our side: locate the venv, drive a worker ---------------------------------------------------
@@ -64,6 +66,52 @@ def missing_reason() -> str | None:
     return None
 
 
+_PROBE = """
+import sys, llama_cpp as L
+L.llama_backend_init()
+model = L.llama_model_load_from_file(sys.argv[1].encode(), L.llama_model_default_params())
+params = L.llama_context_default_params()
+params.n_ctx, params.n_threads, params.n_threads_batch = 64, 1, 1
+ctx = L.llama_init_from_model(model, params)
+tokens = (L.llama_token * 4)(1, 2, 3, 4)
+sys.exit(L.llama_decode(ctx, L.llama_batch_get_one(tokens, 4)))
+"""
+_repacking_crashes: bool | None = None
+
+
+def repacking_crashes() -> bool:
+    """Whether llama.cpp's weight repacking for this CPU crashes here, probed once a process (with
+    $LLAMA_NO_EXTRA_BUFTS set, that says). On a 2-core AMX Xeon VM (2026-12-04) llama.cpp 0.3.36
+    built for the CPU repacks Q4_1 and Q8_0 weights into its AMX buffer and then segfaults at the
+    first decode of any model; with its extra buffer types off (`use_extra_bufts`, llama.cpp's
+    `--no-repack`) it runs its AVX-512 dot products, what a user there falls back to. The workers
+    then load that way, and `info["extra_bufts"]` says so."""
+    global _repacking_crashes
+    if _repacking_crashes is None:
+        if NO_EXTRA_BUFTS_ENV in os.environ:
+            _repacking_crashes = os.environ[NO_EXTRA_BUFTS_ENV] == "1"
+        else:
+            path = gguf_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf"
+            py = venv_python()
+            probe = subprocess.run([str(py), "-c", _PROBE, str(path)], capture_output=True, timeout=300) \
+                if py is not None and path.exists() else None
+            _repacking_crashes = probe is not None and probe.returncode < 0  # killed by a signal
+    return _repacking_crashes
+
+
+def describe() -> str:
+    """The peer as the benchmarks' headers name it."""
+    off = " (its weight repacking off: it segfaults on this CPU)" if venv_python() and repacking_crashes() else ""
+    return f"llama-cpp-python {VERSION}{off}"
+
+
+def _start_worker(py: Path) -> subprocess.Popen:
+    env = dict(os.environ)
+    env[NO_EXTRA_BUFTS_ENV] = "1" if repacking_crashes() else "0"
+    return subprocess.Popen([str(py), str(Path(__file__).resolve())], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+
+
 class LlamaCppPeer:
     """One worker process holding one GGUF file loaded; `job(...)` returns its result dict."""
 
@@ -71,8 +119,7 @@ class LlamaCppPeer:
         py = venv_python()
         if py is None:
             raise RuntimeError(missing_reason())
-        self.proc = subprocess.Popen([str(py), str(Path(__file__).resolve())], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.proc = _start_worker(py)
         self.info = self.job("load", path=str(path), threads=threads, n_ctx=n_ctx, n_seq_max=n_seq_max)
 
     def job(self, op: str, **args) -> dict:
@@ -100,8 +147,7 @@ class LlamaCppLookupPeer(LlamaCppPeer):
         py = venv_python()
         if py is None:
             raise RuntimeError(missing_reason())
-        self.proc = subprocess.Popen([str(py), str(Path(__file__).resolve())], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.proc = _start_worker(py)
         self.info = self.job("load_lookup", path=str(path), threads=threads, n_ctx=n_ctx)
 
 
@@ -109,9 +155,20 @@ class LlamaCppLookupPeer(LlamaCppPeer):
 class Worker:
     def __init__(self) -> None:
         import llama_cpp as L
+        import llama_cpp.llama_cpp as bindings
 
         self.L = L
         self.ctx = self.model = self.batch = None
+        self.extra_bufts = os.environ.get(NO_EXTRA_BUFTS_ENV) != "1"
+        if not self.extra_bufts:  # for llama-cpp-python's `Llama` too, which takes the defaults
+            defaults = bindings.llama_model_default_params
+
+            def without_extra_bufts():
+                params = defaults()
+                params.use_extra_bufts = False
+                return params
+
+            bindings.llama_model_default_params = L.llama_model_default_params = without_extra_bufts
 
     def load(self, path: str, threads: int, n_ctx: int, n_seq_max: int) -> dict:
         L = self.L
@@ -131,7 +188,7 @@ class Worker:
         self.n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
         self.batch = L.llama_batch_init(self.n_batch, 0, 1)
         return {"load_s": time.perf_counter() - t, "n_batch": self.n_batch, "n_ctx": L.llama_n_ctx(self.ctx),
-                "system_info": L.llama_print_system_info().decode(errors="replace")}
+                "system_info": L.llama_print_system_info().decode(errors="replace"), "extra_bufts": self.extra_bufts}
 
     def _clear(self) -> None:
         self.L.llama_memory_clear(self.L.llama_get_memory(self.ctx), True)
@@ -242,7 +299,7 @@ class Worker:
         # logits_all: llama-cpp-python verifies drafts from its scores array, which holds only n_batch
         # rows otherwise (a prompt longer than n_batch then fails to broadcast into it).
         self.lookup = Llama(**common, draft_model=self.draft, logits_all=True)
-        return {"load_s": time.perf_counter() - t, "n_batch": self.plain.n_batch,
+        return {"load_s": time.perf_counter() - t, "n_batch": self.plain.n_batch, "extra_bufts": self.extra_bufts,
                 "draft_defaults": {"num_pred_tokens": LlamaPromptLookupDecoding().num_pred_tokens,
                                    "max_ngram_size": LlamaPromptLookupDecoding().max_ngram_size}}
 

@@ -207,7 +207,7 @@ def main() -> None:
     print(f"bundled SmolLM2-135M-Instruct, Q4_1 GGUF for both engines; {threads} threads; {max_tokens} tokens a "
           f"request; ours -O {args.optimization_level}, ngram k={args.num_speculative_tokens} lookup "
           f"{args.lookup_min}..{args.lookup_max}; "
-          f"llama-cpp-python {peer_llama_cpp.VERSION}; medians of {args.runs} runs")
+          f"{peer_llama_cpp.describe()}; medians of {args.runs} runs")
     print("| workload | batch | off tok/s | ngram tok/s | speed-up | llama.cpp tok/s | llama.cpp lookup tok/s "
           "| ngram / lookup | acceptance (ours / lookup) | mean accepted length (ours / lookup) "
           "| wall tok/s off / ngram |")

@@ -194,7 +194,7 @@ def main() -> None:
     context = len(prompt) + args.decode_tokens / 2
     print(f"workload: batch-1 {len(prompt)}-token prompt, {args.decode_tokens} new tokens; {len(requests)} requests "
           f"({sum(len(q.prompt_token_ids) for q in requests)} prompt, {sum(q.output_len for q in requests)} output "
-          f"tokens); {args.threads} threads; llama-cpp-python {peer_llama_cpp.VERSION}; medians of {args.runs} runs",
+          f"tokens); {args.threads} threads; {peer_llama_cpp.describe()}; medians of {args.runs} runs",
           flush=True)
 
     extras = {  # our formats quantized at load, each beside llama.cpp's file of the same bits
