@@ -162,6 +162,33 @@ def is_temp_file(name: str) -> bool:
     return name.startswith(".") and name.endswith(".tmp")
 
 
+def drop_isa_probes(inductor_dir: Path) -> int:
+    """Remove Inductor's instruction-set probes from an entry's Inductor folder; how many files.
+
+    Before it generates C++ for a CPU, Inductor dry-compiles a few lines per vector extension it
+    may use (AVX-512 VNNI and BF16, AMX: `cpu_vec_isa.VecISA.check_build`, functions named
+    `__*_chk_kernel`) into its cache folder, which while an entry fills is the entry's. They are
+    no compiled code: a warm start never reads them and a process that compiles probes again. In
+    the entry they were listed (and checksummed) as if they were kernels, on the CPUs that have
+    such extensions only."""
+    removed = 0
+    if not inductor_dir.is_dir():
+        return 0
+    for source in inductor_dir.rglob("*.cpp"):
+        try:
+            if source.stat().st_size > 4096 or b"_chk_kernel" not in source.read_bytes():
+                continue
+        except OSError:
+            continue
+        for path in (source, source.with_suffix(".so")):
+            try:
+                path.unlink()
+                removed += 1
+            except FileNotFoundError:
+                pass
+    return removed
+
+
 def write_error(exc: BaseException) -> OSError | None:
     """The OSError that says a write failed, anywhere in `exc`'s chain (Dynamo and Inductor wrap
     errors raised inside a backend), or one made from the text of a tool's error (the C++
@@ -478,6 +505,7 @@ class CompileCache:
         since they were checked) and write it, signed with the signing key if there is one."""
         assert self.writable, "the compile cache is written only under its lock"
         self._wrote = True
+        drop_isa_probes(self.entry / "inductor")
         files = {}
         for path in sorted(self._walk(self.entry)):
             rel = path.relative_to(self.entry).as_posix()

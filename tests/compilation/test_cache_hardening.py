@@ -330,6 +330,25 @@ def test_every_file_of_an_entry_is_in_the_index(filled):
         assert record == {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
 
 
+def test_inductor_instruction_set_probes_are_not_kept_in_an_entry(tmp_path):
+    """Inductor's dry-compiled probes of a CPU's vector extensions (written into the entry's
+    Inductor folder on CPUs with AVX-512 VNNI, BF16 or AMX) are no kernels: they are dropped, the
+    kernels' sources and libraries kept."""
+    inductor = tmp_path / "inductor"
+    (inductor / "ab").mkdir(parents=True)
+    (inductor / "cd").mkdir()
+    probe = inductor / "ab" / "cabprobe.cpp"
+    probe.write_text('#include <immintrin.h>\nextern "C" void __amx_chk_kernel() {}\n')
+    probe.with_suffix(".so").write_bytes(b"\x7fELF probe")
+    kernel = inductor / "cd" / "ccdkernel.main.cpp"
+    kernel.write_text('extern "C" void kernel(const float* in_ptr0, float* out_ptr0) {}\n')
+    kernel.with_suffix(".so").write_bytes(b"\x7fELF kernel")
+    assert compile_cache.drop_isa_probes(inductor) == 2
+    assert sorted(p.relative_to(inductor).as_posix() for p in inductor.rglob("*") if p.is_file()) == [
+        "cd/ccdkernel.main.cpp", "cd/ccdkernel.main.so"]
+    assert compile_cache.drop_isa_probes(tmp_path / "none") == 0
+
+
 def test_entry_files_are_readable_by_the_serving_user(filled):
     """Written with the permissions the umask gives (a cache built as root in an image is served
     by another user), not mkstemp's owner-only ones."""
