@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "parallel.h"
@@ -142,6 +143,15 @@ constexpr int wide_rows() {
   return D <= 64 ? 4 : 2;
 }
 static_assert((64 / 16) * wide_rows<64>() <= 16 && (128 / 16) * wide_rows<128>() <= 16);
+
+// f(std::integral_constant<int, rows>{}) for a run-time 1 <= rows <= R: the row count as a
+// template argument of the micro-kernels.
+template <int R, class F>
+inline void with_rows(int rows, const F& f) {
+  if constexpr (R > 1)
+    if (rows < R) return with_rows<R - 1>(rows, f);
+  f(std::integral_constant<int, R>{});
+}
 #endif
 
 // Decode attention of one request's query tokens (q_len of them, q_stride floats apart) for KV
@@ -183,10 +193,12 @@ void decode_range(const float* q_req, int64_t q_stride, float* out, int64_t out_
 #else
   constexpr bool wide = false;
 #endif
+#if defined(__AVX512F__)
   const int64_t head_rows = q_len * group;  // a KV head's query rows: (token, head in the group)
   // Row i of KV head h: its row in `scores` and its query.
   auto row_of = [&](int64_t h, int64_t i) { return i / group * heads + (h - h0) * group + i % group; };
   auto query_of = [&](int64_t h, int64_t i) { return q_req + i / group * q_stride + (h * group + i % group) * D; };
+#endif
   // Scores.
 #if defined(__AVX512F__)
   if constexpr (wide) {
@@ -210,12 +222,7 @@ void decode_range(const float* q_req, int64_t q_stride, float* out, int64_t out_
               q[r] = query_of(h, i + r);
               out_rows[r] = scores.data() + row_of(h, i + r) * len + first + i0;
             }
-            switch (rows_here) {
-              case 1: score_rows<D, 1>(q, kt, scale, out_rows, n); break;
-              case 2: score_rows<D, 2>(q, kt, scale, out_rows, n); break;
-              case 3: score_rows<D, 3 <= R ? 3 : 1>(q, kt, scale, out_rows, n); break;
-              default: score_rows<D, R>(q, kt, scale, out_rows, n);
-            }
+            with_rows<R>(rows_here, [&](auto rows) { score_rows<D, rows()>(q, kt, scale, out_rows, n); });
           }
         }
       }
@@ -287,12 +294,7 @@ void decode_range(const float* q_req, int64_t q_stride, float* out, int64_t out_
             w[r] = scores.data() + row_of(h, i + r) * len + first;
             o[r] = out + (i + r) / group * out_stride + ((h - h0) * group + (i + r) % group) * D;
           }
-          switch (rows_here) {
-            case 1: weigh_rows<D, 1>(vb + h * D, token_stride, n, w, o); break;
-            case 2: weigh_rows<D, 2>(vb + h * D, token_stride, n, w, o); break;
-            case 3: weigh_rows<D, 3 <= R ? 3 : 1>(vb + h * D, token_stride, n, w, o); break;
-            default: weigh_rows<D, R>(vb + h * D, token_stride, n, w, o);
-          }
+          with_rows<R>(rows_here, [&](auto rows) { weigh_rows<D, rows()>(vb + h * D, token_stride, n, w, o); });
         }
       }
     }
