@@ -38,6 +38,24 @@ class RejectionOutput:
     sampled_ranks: torch.Tensor | None = None  # [N]
 
 
+def greedy_verdict(greedy: np.ndarray, num_drafts: np.ndarray, draft_ids: np.ndarray) -> np.ndarray:
+    """Greedy verification on the host: `greedy` [sum(1 + n_i)] each position's argmax, `draft_ids`
+    [sum n_i]; request i's tokens are its drafts up to the first that is not its row's argmax, then
+    that row's argmax, padded with -1 (as `RejectionSampler` gives them). On a CPU this is what a
+    greedy verification costs after the argmax: the tensor version's dozen small ops took 0.4 ms a
+    step at batch 1, about 3% of the step."""
+    width = int(num_drafts.max(initial=0)) + 1
+    tokens = np.full((len(num_drafts), width), -1, dtype=np.int64)
+    start = first_draft = 0
+    for i, n in enumerate(num_drafts.tolist()):
+        miss = np.flatnonzero(greedy[start : start + n] != draft_ids[first_draft : first_draft + n])
+        accepted = int(miss[0]) if len(miss) else n
+        tokens[i, : accepted + 1] = greedy[start : start + accepted + 1]  # accepted drafts are their rows' argmax
+        start += n + 1
+        first_draft += n
+    return tokens
+
+
 class RejectionSampler:
     def __init__(self, sampler: Sampler) -> None:
         self.sampler = sampler
@@ -57,6 +75,9 @@ class RejectionSampler:
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if meta.max_num_logprobs is not None else None
         logits = self.sampler.adjust_logits(logits, meta)
+        greedy = argmax_rows(logits)
+        if meta.all_greedy and raw_logprobs is None and device.type == "cpu":
+            return RejectionOutput(torch.from_numpy(greedy_verdict(greedy.numpy(), num_drafts, draft_ids.numpy())))
         num_reqs = len(num_drafts)
         counts = num_drafts + 1
         starts = np.cumsum(counts) - counts
@@ -64,7 +85,6 @@ class RejectionSampler:
         draft_j = np.arange(int(num_drafts.sum())) - np.repeat(np.cumsum(num_drafts) - num_drafts, num_drafts)
         draft_pos = torch.from_numpy(starts[draft_req] + draft_j).to(device)
 
-        greedy = argmax_rows(logits)
         probs = None
         accept = greedy[draft_pos] == draft_ids
         if not meta.all_greedy:

@@ -7,9 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from scipy.stats import chisquare
 
-from compiled_llm.worker.rejection_sampler import RejectionSampler
+from compiled_llm.worker.rejection_sampler import RejectionSampler, greedy_verdict
 from compiled_llm.worker.sampler import Sampler, SamplingMetadata, seeded_rng
 
 V = 8
@@ -69,6 +71,33 @@ def test_greedy_accepts_exactly_the_argmax():
     assert verify(logits, best[:3], 1, temperature=0.0).tolist() == [best]
     wrong = (best[1] + 1) % V
     assert verify(logits, [best[0], wrong, best[2]], 1, temperature=0.0).tolist() == [[best[0], best[1], -1, -1]]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 3), max_size=6), min_size=1, max_size=6), st.integers(0, 2**31 - 1))
+def test_greedy_verdict_on_the_host_equals_the_tensor_rule(drafts_per_req, seed):
+    """The CPU's host-side greedy verdict (taken when no logprobs are wanted) against the rule read
+    literally, and against the tensor path (taken when logprobs are): the same tokens."""
+    rng = np.random.default_rng(seed)
+    num_drafts = np.array([len(d) for d in drafts_per_req], dtype=np.int64)
+    logits = torch.from_numpy(rng.normal(size=(int(num_drafts.sum() + len(num_drafts)), 4)).astype(np.float32))
+    best = logits.argmax(-1).tolist()
+    expected, row = [], 0
+    for drafts in drafts_per_req:  # drafts from 0..3: often the argmax, often not
+        out = []
+        for j, d in enumerate(drafts):
+            if d != best[row + j]:
+                break
+            out.append(d)
+        out.append(best[row + len(out)])
+        expected.append(out + [-1] * (int(num_drafts.max()) + 1 - len(out)))
+        row += len(drafts) + 1
+    draft_ids = torch.tensor([d for drafts in drafts_per_req for d in drafts], dtype=torch.int64)
+    assert greedy_verdict(logits.argmax(-1).numpy(), num_drafts, draft_ids.numpy()).tolist() == expected
+    sampler = RejectionSampler(Sampler())
+    for logprobs in (None, 1):
+        meta = SamplingMetadata(temperature=None, all_greedy=True, max_num_logprobs=logprobs)
+        assert sampler(logits.clone(), meta, num_drafts, draft_ids, {}).tokens.tolist() == expected
 
 
 def test_seeded_requests_repeat_and_without_drafts_sample_as_the_sampler():
