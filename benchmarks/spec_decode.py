@@ -54,7 +54,8 @@ def repetitive_chats() -> list[list[dict]]:
     typo = code.replace("tokens.append(token)", "tokens.apend(token)")
     return [
         [{"role": "user", "content": f"Copy this text exactly, word for word:\n\n{passage}"}],
-        [{"role": "user", "content": f"Fix the typo in this Python code and give the whole corrected code:\n\n{typo}"}],
+        [{"role": "user", "content": "Fix the typo in this Python code. Reply with the whole corrected code only."
+                                     f"\n\n```python\n{typo}```"}],
         [{"role": "user", "content": f"Here is a document:\n\n{passage}\n\nQuote the sentences of the document "
                                      "that say how proposals are found, word for word."}],
     ]
