@@ -53,7 +53,7 @@ from compiled_llm.core.request_queue import make_request_queue
 from compiled_llm.messages.engine_core import EngineCoreOutput, SchedulerStats, SpecDecodingStats
 from compiled_llm.messages.runner_output import LogprobsLists, ModelRunnerOutput, PooledTensor
 from compiled_llm.messages.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
-from compiled_llm.spec_decode.backoff import min_acceptance
+from compiled_llm.spec_decode.backoff import min_acceptance, shortest_match
 from compiled_llm.spec_decode.gain import SpeculationGain
 from compiled_llm.spec_decode.ngram import NgramIndex
 from compiled_llm.spec_decode.step_cost import StepCost
@@ -232,12 +232,13 @@ class Scheduler:
         if spec.method == "draft_model":  # placeholders: the runner's draft model fills them in
             # (under a grammar they would have to be checked against it before the verification)
             return [] if request.grammar is not None else [0] * room
+        assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
+        needed = self._acceptance_needed(request, len(self.running))
         if request.ngram is None:
-            assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
             request.ngram = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max, request.all_token_ids)
-            request.spec_backoff.probe(self._acceptance_needed(request, len(self.running)))
+            request.spec_backoff.probe(needed)
             room = min(room, request.spec_backoff.length)
-        drafts = request.ngram.propose(room)
+        drafts = request.ngram.propose(room, shortest_match(needed, spec.prompt_lookup_min, spec.prompt_lookup_max))
         if drafts and request.grammar is not None:  # a draft the grammar forbids would be rejected
             drafts = drafts[: request.grammar.valid_prefix(drafts)]
         return drafts

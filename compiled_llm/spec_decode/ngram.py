@@ -39,12 +39,13 @@ class NgramIndex:
                 index[tuple(tokens[end - n : end])] = end
             tokens.append(token)
 
-    def propose(self, k: int) -> list[int]:
+    def propose(self, k: int, shortest: int | None = None) -> list[int]:
         """The `k` tokens that followed the latest earlier occurrence of the longest suffix n-gram,
-        repeated with their period where the context ends first; [] without an occurrence."""
+        repeated with their period where the context ends first; [] without an occurrence.
+        `shortest`: the shortest match to propose from (min_n if None or lower)."""
         tokens = self.tokens
         length = len(tokens)
-        for n in range(min(self.max_n, length), self.min_n - 1, -1):
+        for n in range(min(self.max_n, length), max(self.min_n, shortest or 0) - 1, -1):
             start = self._last_start.get(tuple(tokens[length - n :]))
             if start is not None:
                 if start + k <= length:

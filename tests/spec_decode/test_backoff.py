@@ -8,7 +8,13 @@ from compiled_llm.core.request import Request
 from compiled_llm.core.scheduler import Scheduler
 from compiled_llm.messages.runner_output import ModelRunnerOutput
 from compiled_llm.sampling_params import SamplingParams
-from compiled_llm.spec_decode.backoff import FIRST_LENGTH, MIN_ACCEPTANCE, AcceptanceBackoff, min_acceptance
+from compiled_llm.spec_decode.backoff import (
+    FIRST_LENGTH,
+    MIN_ACCEPTANCE,
+    AcceptanceBackoff,
+    min_acceptance,
+    shortest_match,
+)
 
 
 def pauses(backoff: AcceptanceBackoff, verdicts: list[int], k: int = 4, needed: float = MIN_ACCEPTANCE) -> list[int]:
@@ -169,3 +175,28 @@ def test_the_scheduler_probes_with_one_draft_in_a_batch_where_rows_cost_compute(
 
     assert first_drafts(8) == [1] * 8
     assert first_drafts(1) == [FIRST_LENGTH]
+
+
+def test_where_most_drafts_must_land_only_the_longest_matches_propose():
+    """With a measured fixed cost of 3.25 rows: alone (a bar of 24%) a request whose context repeats
+    only a 2-token n-gram gets drafts; among eight (a bar of 71%) it gets none, while one that
+    repeats a 3-token n-gram (prompt_lookup_max) still does."""
+    assert shortest_match(min_acceptance(1, 4.0), 2, 4) == 2 and shortest_match(min_acceptance(32, 4.0), 2, 4) == 4
+
+    def first_drafts(prompts: list[list[int]]) -> list[list[int]]:
+        s = Scheduler(SchedulerConfig(8, 256, 512), CacheConfig(block_size=4), 512, SpeculativeConfig("ngram", 4, 2, 3),
+                      measure_step_cost=True)
+        for step in range(20):  # steps of 1..9 rows at 6.5 ms + 2 ms a row
+            rows = 1 + step % 9
+            s.step_cost.observe(rows, 6.5e-3 + 2e-3 * rows)
+        for i, prompt in enumerate(prompts):
+            s.add_request(Request(f"r{i}", prompt, SamplingParams(max_tokens=20), [2], 4))
+        out = s.schedule()  # the prompts, each then sampling a 6
+        s.update_from_output(out, ModelRunnerOutput(list(out.num_scheduled_tokens), [[6] for _ in prompts]))
+        out = s.schedule()  # each request's first decode: its drafts, if any
+        return [out.scheduled_spec_decode_tokens.get(f"r{i}", []) for i in range(len(prompts))]
+
+    short = [3, 5, 6, 8, 7, 5]  # + 6: "5 6" seen at 1-2 (then 8); "7 5 6" never
+    long = [7, 5, 6, 8, 7, 5]  # + 6: "7 5 6" seen at 0-2 (then 8)
+    assert first_drafts([short]) == [[8, 7, 5, 6]]
+    assert first_drafts([short, long] + [[20 + i, 21 + i, 22 + i] for i in range(6)])[:2] == [[], [8]]

@@ -55,3 +55,12 @@ def test_proposes_what_followed_the_latest_occurrence():
     assert NgramIndex(2, 4, [5, 5, 5]).propose(4) == [5, 5, 5, 5]  # a one-token loop: k drafts, not 1
     assert NgramIndex(2, 2, [1, 2, 3]).propose(2) == []  # "2 3" never came before
     assert NgramIndex(1, 1, []).propose(2) == []
+
+
+def test_a_shortest_match_leaves_out_proposals_from_shorter_ones():
+    index = NgramIndex(1, 3, [1, 2, 9, 4, 2, 9])  # "2 9" matched at 1-2 (followed by 4); no 3-gram
+    assert index.propose(2) == [4, 2]
+    assert index.propose(2, shortest=2) == [4, 2]
+    assert index.propose(2, shortest=3) == []
+    index.extend([4])  # now "2 9 4" at 1-3, followed by 2 9
+    assert index.propose(2, shortest=3) == [2, 9]
