@@ -19,12 +19,9 @@ measures a step's fixed cost F in rows as the engine runs), so at B requests dra
 share accepted exceeds B / (B + F) (`min_acceptance`). A request that keeps long runs (a copy)
 speculates at any batch; one matching in short runs stops where its drafts cost more than they save.
 Where that bar is above one half, untried drafts (a request's first, or the first after a pause)
-are probed one at a time.
-
-Where that bar is above one half, only proposals from the longest lookup (`prompt_lookup_max`
-tokens matched) are made (`shortest_match`): a first draft from a 2-token match of the bundled model
-landed 38-56% of the time, from a 4-token match 75-94% (both workloads of
-benchmarks/spec_decode.py, at 1 and 32 requests).
+are probed one at a time, and only matches of the whole `prompt_lookup_max` tokens propose
+(`shortest_match`): a first draft from a 2-token match of the bundled model landed 38-56% of the
+time, from a 4-token match 75-94% (both workloads of benchmarks/spec_decode.py, 1 and 32 requests).
 
 Exactness depends on none of this: it only decides how many drafts are proposed.
 """
