@@ -35,14 +35,11 @@ def import_statements(text: str) -> Iterator[str]:
 def _module_names(text: str, package: str) -> set[str]:
     """Every module name an import statement of `text` may bind (for `from a import b`: a and a.b)."""
     names: set[str] = set()
-    nodes = []
-    for statement in import_statements(text):
-        try:
-            nodes.extend(ast.parse(statement).body)
-        except SyntaxError:  # prose in a docstring, which may have swallowed real imports after it:
-            tree = ast.parse(text)  # read this file's imports from its whole syntax tree instead
-            nodes = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
-            break
+    try:  # the statements parsed together: one compile per file (one each took 0.07 s of a start)
+        nodes = ast.parse("\n".join(import_statements(text))).body
+    except SyntaxError:  # prose in a docstring, which may have swallowed real imports after it:
+        tree = ast.parse(text)  # read this file's imports from its whole syntax tree instead
+        nodes = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
     for node in nodes:
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
