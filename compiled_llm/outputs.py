@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch only as a type: importing this module (the chat template workers do) needs no torch
+    import torch
 
 
 @dataclass

@@ -13,9 +13,10 @@ import sys
 import tempfile
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
-import torch
+if TYPE_CHECKING:  # imported where used: the chat template workers import this module and no torch
+    import torch
 
 
 def env_flag(*names: str) -> bool:
@@ -42,6 +43,8 @@ class UserError(Exception):
 
 
 def default_device() -> torch.device:
+    import torch
+
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 

@@ -1,4 +1,8 @@
-"""Tokenizer loading and the per-token text used in logprobs."""
+"""Tokenizer loading and the per-token text used in logprobs.
+
+A warm start takes the tokenizer from its snapshot (`tokenizer_snapshot.py`: `tokenizers` alone, no
+transformers import); the first load of a tokenizer, and any tokenizer whose snapshot did not match
+transformers on its checks, goes through transformers."""
 
 from __future__ import annotations
 
@@ -6,11 +10,6 @@ import json
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
-
-try:  # transformers 5: the module itself, so that `transformers.models` (1,100 files scanned) is not imported
-    from transformers.tokenization_utils_tokenizers import PreTrainedTokenizerFast
-except ImportError:  # transformers 4
-    from transformers import PreTrainedTokenizerFast
 
 # tokenizer_config.json classes that are the generic fast tokenizer over tokenizer.json: loaded as
 # such directly, because AutoTokenizer first resolves the model's config, whose imports (the model
@@ -20,7 +19,20 @@ _GENERIC_FAST = frozenset({"PreTrainedTokenizerFast", "TokenizersBackend"})
 
 def get_tokenizer(folder: str) -> Any:
     """The tokenizer in `folder` (`ModelConfig.tokenizer`: the model's folder, or a GGUF file's
-    metadata folder)."""
+    metadata folder): its snapshot (`FastTokenizer`, no transformers import) where one was found
+    equal to transformers' tokenizer; else transformers' own, snapshotting it on first load."""
+    from compiled_llm.engine.tokenizer_snapshot import load_snapshot, write_snapshot
+
+    snapshot = load_snapshot(folder)
+    if snapshot is not None:
+        return snapshot
+    tokenizer = _transformers_tokenizer(folder)
+    if getattr(tokenizer, "is_fast", False) and hasattr(tokenizer, "_tokenizer"):
+        write_snapshot(folder, tokenizer)
+    return tokenizer
+
+
+def _transformers_tokenizer(folder: str) -> Any:
     config = Path(folder) / "tokenizer_config.json"
     if (Path(folder) / "tokenizer.json").is_file() and config.is_file():
         try:
@@ -28,6 +40,11 @@ def get_tokenizer(folder: str) -> Any:
         except (OSError, ValueError):
             tokenizer_class = None
         if tokenizer_class in _GENERIC_FAST:
+            try:  # transformers 5: the module itself, so that `transformers.models` (1,100 files) is not scanned
+                from transformers.tokenization_utils_tokenizers import PreTrainedTokenizerFast
+            except ImportError:  # transformers 4
+                from transformers import PreTrainedTokenizerFast
+
             return PreTrainedTokenizerFast.from_pretrained(folder)
     from transformers import AutoTokenizer
 

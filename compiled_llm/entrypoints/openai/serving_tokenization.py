@@ -48,7 +48,7 @@ class OpenAIServingTokenization(OpenAIServingChat):
                   if key not in ("vocab_file", "merges_file", "added_tokens_decoder")}
         added = getattr(tokenizer, "added_tokens_decoder", None) or {}
         config["added_tokens_decoder"] = {str(i): _added_token(token) for i, token in added.items()}
-        config["tokenizer_class"] = type(tokenizer).__name__
+        config["tokenizer_class"] = getattr(tokenizer, "tokenizer_class", None) or type(tokenizer).__name__
         template = self.chat_template or getattr(tokenizer, "chat_template", None)
         if template:
             config["chat_template"] = template
