@@ -139,6 +139,8 @@ class AsyncLLM:
         # a costly one never holds up other requests' tokenization.
         self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-check")
         self.chat_renderer: ChatTemplateRenderer | None = None
+        self._ready = False
+        self._shut_down = False
         self._streams: dict[str, RequestStream] = {}
         self._handler: asyncio.Task | None = None
         if wait_ready:
@@ -146,14 +148,20 @@ class AsyncLLM:
 
     def wait_ready(self) -> None:
         """Block until the engine is ready; `EngineStartupError` (and the engine stopped) if not."""
-        if self.chat_renderer is not None:
+        if self._ready:
             return
         if isinstance(self.client, AsyncMPClient):  # a data-parallel group waited for its engines
             self.client.wait_ready()
         self.metrics.record_cache_config(self.config.cache_config, getattr(self.client, "num_blocks", None),
                                          self.config.parallel_config.data_parallel_size)
-        # Started once the engine is up, so that they load while the server starts.
-        self.chat_renderer = ChatTemplateRenderer(self.config.model_config.tokenizer)
+        self._ready = True
+
+    def start_chat_renderer(self) -> None:
+        """Start the chat template's render workers (else the first render starts them). The
+        server does so once it listens: three process starts would otherwise sit between the
+        engine's readiness and the server's."""
+        if self.chat_renderer is None and not self._shut_down:
+            self.chat_renderer = ChatTemplateRenderer(self.config.model_config.tokenizer)
 
     @classmethod
     def from_engine_args(
@@ -313,7 +321,9 @@ class AsyncLLM:
         the tokenizer's own (BOS) on top of what the template wrote (off: templates write them).
         Raises `ChatTemplateError` (a ValueError) when the template fails and ValueError when the
         text cannot fit."""
-        assert self.chat_renderer is not None, "wait_ready() first"
+        assert self._ready, "wait_ready() first"
+        self.start_chat_renderer()
+        assert self.chat_renderer is not None, "the engine is shut down"
         text = await self.chat_renderer.render(
             messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt, **template_kwargs
         )
@@ -350,6 +360,7 @@ class AsyncLLM:
 
     def shutdown(self) -> None:
         """Stop the engine process (joined) and end any stream still open with an error."""
+        self._shut_down = True
         if self._handler is not None and not self._handler.done() and not self._handler.get_loop().is_closed():
             self._handler.cancel()
         self._end_streams(EngineDeadError("The engine was shut down."))
