@@ -238,3 +238,28 @@ def _tag_final_message(template: str, chat: list[dict[str, Any]], field: bool | 
     for f in fields:
         chat[-1][f] = chat[-1][f] + _CONTINUE_TAG
     return final
+
+
+class ChatTemplates:
+    """A model's chat template (or its named templates) and special tokens: what rendering needs of
+    a tokenizer (a chat template worker holds only this, where the tokenizer has a snapshot)."""
+
+    def __init__(self, chat_template: str | dict[str, str] | None, special_tokens: Mapping[str, Any]) -> None:
+        self.chat_template = chat_template
+        self.special_tokens = dict(special_tokens)
+
+    def render(self, conversation: Any, chat_template: str | None = None, tools: list[dict[str, Any]] | None = None,
+               documents: list[dict[str, Any]] | None = None, add_generation_prompt: bool = False,
+               continue_final_message: bool | str = False, **kwargs: Any) -> str:
+        """transformers' `apply_chat_template(conversation, tokenize=False, ...)` for one conversation."""
+        for option in ("tokenizer_kwargs", "return_assistant_tokens_mask", "sanitize_control_tokens", "return_tensors"):
+            if kwargs.pop(option, None):
+                raise NotImplementedError(f"{option} is not served here: load the tokenizer with transformers.")
+        if isinstance(conversation, (list, tuple)) and conversation and (
+                isinstance(conversation[0], (list, tuple)) or hasattr(conversation[0], "messages")):
+            raise NotImplementedError("One conversation at a time: a batch is not served here.")
+        template = select_template(self.chat_template, chat_template, tools)
+        return render_chat_template(template, conversation, tools=tools, documents=documents,
+                                    add_generation_prompt=add_generation_prompt,
+                                    continue_final_message=continue_final_message, special_tokens=self.special_tokens,
+                                    **kwargs)

@@ -14,6 +14,7 @@ clients giving up at once would otherwise replace every worker and stall the nex
 from __future__ import annotations
 
 import asyncio
+import functools
 import multiprocessing
 import os
 import resource
@@ -43,13 +44,20 @@ def _address_space_bytes() -> int | None:
 
 
 def _worker_main(model: str, conn: Connection) -> None:
-    """A render worker: load the tokenizer, then render what it is sent until its pipe closes."""
+    """A render worker: load the chat template, then render what it is sent until its pipe closes."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server's Ctrl-C is the server's to handle
-    from compiled_llm.engine.tokenizer import get_tokenizer
+    from compiled_llm.engine.tokenizer_snapshot import load_chat_templates
 
-    tokenizer = get_tokenizer(model)
+    templates = load_chat_templates(model)  # from the tokenizer's snapshot: no vocabulary to read
+    if templates is None:
+        from compiled_llm.engine.tokenizer import get_tokenizer
+
+        tokenizer = get_tokenizer(model)
+        render = functools.partial(tokenizer.apply_chat_template, tokenize=False)
+    else:
+        render = templates.render
     used = _address_space_bytes()
     if used is not None:
         try:
@@ -66,7 +74,7 @@ def _worker_main(model: str, conn: Connection) -> None:
         except (EOFError, OSError):
             return
         try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+            text = render(messages, **kwargs)
             reply = ("ok", text if isinstance(text, str) else str(text))
         except MemoryError:
             reply = ("error", "the chat template used more memory than a render may")

@@ -20,7 +20,7 @@ from typing import Any, Iterable
 
 from tokenizers import Tokenizer
 
-from compiled_llm.engine.chat_template_render import render_chat_template, select_template
+from compiled_llm.engine.chat_template_render import ChatTemplates, select_template
 
 BACKEND_FILE = "tokenizer.json"
 META_FILE = "snapshot.json"
@@ -148,18 +148,8 @@ class FastTokenizer:
                             tokenize: bool = True, return_dict: bool = True, **kwargs: Any) -> Any:
         """One conversation as text (`tokenize=False`) or its token ids (with `return_dict`, as
         `{"input_ids": ...}`); a batch of conversations is not served here."""
-        if kwargs.pop("tokenizer_kwargs", None) or kwargs.pop("return_assistant_tokens_mask", False) \
-                or kwargs.pop("sanitize_control_tokens", False) or kwargs.pop("return_tensors", None) is not None:
-            raise NotImplementedError("FastTokenizer.apply_chat_template renders and tokenizes one conversation; "
-                                      "load the tokenizer with transformers for tensors, masks or sanitizing.")
-        if isinstance(conversation, (list, tuple)) and conversation and (
-                isinstance(conversation[0], (list, tuple)) or hasattr(conversation[0], "messages")):
-            raise NotImplementedError("FastTokenizer.apply_chat_template renders one conversation at a time.")
-        template = self.get_chat_template(chat_template, tools)
-        text = render_chat_template(template, conversation, tools=tools, documents=documents,
-                                    add_generation_prompt=add_generation_prompt,
-                                    continue_final_message=continue_final_message,
-                                    special_tokens=self.special_tokens_map, **kwargs)
+        text = ChatTemplates(self.chat_template, self.special_tokens_map).render(
+            conversation, chat_template, tools, documents, add_generation_prompt, continue_final_message, **kwargs)
         if not tokenize:
             return text
         encoded = self(text, add_special_tokens=False)

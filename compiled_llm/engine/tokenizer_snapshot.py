@@ -24,6 +24,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable
 
+from compiled_llm.engine.chat_template_render import ChatTemplates
 from compiled_llm.engine.fast_tokenizer import BACKEND_FILE, META_FILE, FastTokenizer
 from compiled_llm.logger import init_logger
 from compiled_llm.utils import user_cache_dir
@@ -74,6 +75,17 @@ def load_snapshot(folder: str | os.PathLike[str]) -> FastTokenizer | None:
     except Exception as e:  # noqa: BLE001 - none yet, or damaged: transformers it is (and a fresh snapshot)
         if not isinstance(e, FileNotFoundError):
             logger.debug("Tokenizer snapshot %s unusable (%s); using transformers.", target, e)
+        return None
+
+
+def load_chat_templates(folder: str | os.PathLike[str]) -> ChatTemplates | None:
+    """Only the chat template and special tokens of `folder`'s tokenizer, from its snapshot (where
+    one was found equal to transformers'): what a chat template worker needs, without reading
+    the vocabulary."""
+    try:
+        meta = json.loads((snapshot_folder(folder) / META_FILE).read_text())
+        return ChatTemplates(meta["chat_template"], meta["special_tokens_map"]) if meta.get("equal") else None
+    except Exception:  # noqa: BLE001 - none yet, or damaged: the worker loads the tokenizer instead
         return None
 
 

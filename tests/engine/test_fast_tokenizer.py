@@ -197,9 +197,11 @@ def test_template_workers_import_neither_torch_nor_transformers(real_model_path,
     code = (
         "import sys\n"
         "from compiled_llm.engine.chat_templates import _worker_main\n"
+        "from compiled_llm.engine.tokenizer_snapshot import load_chat_templates\n"
+        f"text = load_chat_templates({real_model_path!r}).render([{{'role': 'user', 'content': 'hi'}}])\n"
         "from compiled_llm.engine.tokenizer import get_tokenizer\n"
         f"t = get_tokenizer({real_model_path!r})\n"
-        "t.apply_chat_template([{'role': 'user', 'content': 'hi'}], tokenize=False)\n"
+        "assert text == t.apply_chat_template([{'role': 'user', 'content': 'hi'}], tokenize=False)\n"
         "print(type(t).__name__, 'torch' in sys.modules, 'transformers' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.split() == ["FastTokenizer", "False", "False"]

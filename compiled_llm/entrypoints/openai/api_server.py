@@ -347,7 +347,7 @@ class _Server(uvicorn.Server):
 
 async def _announce_when_ready(server: uvicorn.Server, engine: AsyncLLM, url: str) -> None:
     while not server.started:
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.01)
     engine.start_chat_renderer()
     logger.info("Ready: serving %s at %s/v1", engine.model_config.served_model_name, url)
 
