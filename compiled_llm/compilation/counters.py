@@ -27,6 +27,7 @@ class CompilationCounters:
     num_cudagraph_captured: int = 0
     # Calls served by replaying an already captured graph (the replay that ends a capture is not one).
     num_cudagraph_replayed: int = 0
+    cudagraph_capture_seconds: float = 0.0  # wall time of the captures (the start-up line shows it)
 
     def reset(self) -> None:
         self.__dict__.update(CompilationCounters().__dict__)

@@ -287,6 +287,7 @@ def start_engine_core(
         load_seconds=engine.executor.load_seconds,
         kv_seconds=engine.kv_seconds,
         startup_seconds=engine.startup_seconds,
+        capture_seconds=engine.capture_seconds,
     )
 
 

@@ -57,7 +57,8 @@ class EngineCore:
         self.num_blocks: int = min(self.executor.collective_rpc("determine_num_blocks"))
         self.executor.collective_rpc("initialize_kv_cache", self.num_blocks)
         self.kv_seconds = time.perf_counter() - t
-        self.executor.collective_rpc("compile_or_warm_up")
+        # The driver's CUDA-graph capture time, for the start-up line (ranks capture side by side).
+        self.capture_seconds = float(self.executor.collective_rpc("compile_or_warm_up")[0] or 0.0)
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.num_blocks,
                                    config.speculative_config,
                                    config.lora_config.max_loras if config.lora_config is not None else None,

@@ -136,11 +136,12 @@ class AsyncMPClient:
         if not self.engine.owns_engine:
             return  # its owner started it and said so
         total = time.perf_counter() - getattr(self.engine, "started_at", self._started)
+        capture = f" (CUDA graphs {handshake.capture_seconds:.1f} s)" if handshake.capture_seconds else ""
         logger.info(
             "Engine core %d (pid %d) ready in %.1f s: process start and imports %.1f s, weights %.1f s, "
-            "KV cache %.1f s, compile or warm-up %.1f s.",
+            "KV cache %.1f s, compile or warm-up %.1f s%s.",
             self.engine_index, self.engine.pid, total, total - handshake.startup_seconds, handshake.load_seconds,
-            handshake.kv_seconds, handshake.startup_seconds - handshake.load_seconds - handshake.kv_seconds,
+            handshake.kv_seconds, handshake.startup_seconds - handshake.load_seconds - handshake.kv_seconds, capture,
         )
 
     @property

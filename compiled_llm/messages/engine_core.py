@@ -115,6 +115,7 @@ class Handshake(msgspec.Struct, omit_defaults=True):
     load_seconds: float = 0.0  # model weights
     kv_seconds: float = 0.0  # KV-cache sizing and allocation
     startup_seconds: float = 0.0  # the whole EngineCore construction, compile or warm-up included
+    capture_seconds: float = 0.0  # of which CUDA-graph capture (GPU, -O2)
 
 
 class UtilityRequest(msgspec.Struct, array_like=True):

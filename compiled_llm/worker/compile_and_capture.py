@@ -81,9 +81,11 @@ def capture_cudagraphs(
             with set_forward_context(metadata, mode, descriptor):
                 model_forward(*inputs.model_args(descriptor.num_tokens))
     torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
+    counters.cudagraph_capture_seconds += seconds
     logger.info(
         "CUDA graphs (%s) of the %s: %d captured for %d sizes up to %d tokens in %.2f s, using %.2f GiB.",
         config.cudagraph_mode.name, name, counters.num_cudagraph_captured - captured, len(sizes), max(sizes, default=0),
-        time.perf_counter() - started, (free_before - torch.cuda.mem_get_info()[0]) / (1 << 30),
+        seconds, (free_before - torch.cuda.mem_get_info()[0]) / (1 << 30),
     )
     return model_forward, dispatcher

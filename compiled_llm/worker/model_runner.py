@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from compiled_llm.compilation.config import CUDAGraphMode
+from compiled_llm.compilation.counters import counters
 from compiled_llm.compilation.cudagraph_dispatcher import CudagraphDispatcher
 from compiled_llm.compilation.forward_context import set_forward_context
 from compiled_llm.config import EngineConfig, describe_cpu_dtype
@@ -478,11 +479,13 @@ class ModelRunner:
         ]
 
     # ---- start-up ----------------------------------------------------------------------------
-    def compile_or_warm_up(self) -> None:
+    def compile_or_warm_up(self) -> float:
         """At -O1 and above: compile (or load) every piece now; at -O2 on a GPU also capture the
-        CUDA graphs. Nothing is compiled or captured later, while serving."""
+        CUDA graphs. Nothing is compiled or captured later, while serving. Returns the seconds the
+        captures took (0 where none)."""
         if self.config.compilation_config.level:
             self.compile()
+        captured_for = counters.cudagraph_capture_seconds
         if self.captures_cudagraphs:
             spec = self.speculative_config  # full-length verifications get FULL graphs too
             query_lens = (1,) if spec is None else (1, 1 + spec.num_speculative_tokens)
@@ -492,6 +495,7 @@ class ModelRunner:
             )
             if self.drafter is not None:
                 self.drafter.capture_cudagraphs()
+        return counters.cudagraph_capture_seconds - captured_for
 
     @property
     def captures_cudagraphs(self) -> bool:
