@@ -4,14 +4,16 @@
 Every start is a fresh process, timed from just before this script starts it (so the Python
 interpreter's own start counts, as it does for a user; psutil's process start time is off by up to
 a second: the kernel's boot time is whole seconds). For each start:
-- ours, serve: /health polled every 10 ms; then a 1-token completion (the first token after
-  ready); then SIGTERM, and the time until the server and its engine have exited. Phases: the
-  frontend until it starts the engine (interpreter, CLI, torch and the config), the engine's own
-  (its process and imports, weights, KV cache, compile or warm-up, from its start-up line), and the
-  frontend after the engine is ready (the HTTP server's start). `--compile-cache` is a fresh folder
-  for a cold start, the folder the cold start filled for a warm one.
+- ours, serve: /health polled every 10 ms; then a 1-token completion and a 1-token chat
+  completion sent together (the first token after ready; the chat one also waits for a chat
+  template worker, which starts once the server listens); then SIGTERM, and the time until the
+  server and its engine have exited. Phases: the frontend until it starts the engine (interpreter,
+  CLI, torch and the config), the engine's own (its process and imports, weights, KV cache, compile
+  or warm-up, from its start-up line), and the frontend after the engine is ready (the HTTP server's
+  start). `--compile-cache` is a fresh folder for a cold start, the folder the cold start filled for
+  a warm one.
 - ours, offline: `LLM(compile_cache=...)`, then a 1-token generate. Phases: interpreter start,
-  `from compiled_llm import LLM` (torch, transformers), and within `LLM()` the engine's weights,
+  `from compiled_llm import LLM` (torch and the engine's modules), and within `LLM()` the engine's weights,
   KV cache and compile or warm-up (the rest of `LLM()`: the config and the tokenizer).
 - llama.cpp: `import llama_cpp`, `Llama(path, n_ctx, threads)` (its load: it compiles nothing,
   so cold and warm are one), then a 1-token completion. Same GGUF file as ours (the bundled Q4_1
@@ -125,11 +127,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _post_completion(url: str) -> None:
-    body = json.dumps({"prompt": "Hello", "max_tokens": 1}).encode()
-    request = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+def _post(url: str, route: str, body: dict) -> float:
+    """POST and read the answer; the time it was read."""
+    request = urllib.request.Request(url + route, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=120) as r:
         r.read()
+    return time.time()
+
+
+def _first_requests(url: str) -> tuple[float, float]:
+    """A 1-token completion and a 1-token chat completion sent together as soon as the server is
+    ready (the chat one also needs a chat template worker); the times each answer was read."""
+    chat: list[float] = []
+    thread = threading.Thread(target=lambda: chat.append(_post(url, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 1})))
+    thread.start()
+    completion = _post(url, "/v1/completions", {"prompt": "Hello", "max_tokens": 1})
+    thread.join(120)
+    if not chat:
+        raise RuntimeError("the first chat completion failed (see the server's log)")
+    return completion, chat[0]
 
 
 def run_serve(cache: str, threads: int, tree: str | None, timeout: float = 1800) -> dict:
@@ -156,8 +174,7 @@ def run_serve(cache: str, threads: int, tree: str | None, timeout: float = 1800)
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 time.sleep(0.01)
         health = time.time()
-        _post_completion(url)
-        first = time.time()
+        first, first_chat = _first_requests(url)
         time.sleep(0.5)
         stop = time.time()
         proc.send_signal(signal.SIGTERM)
@@ -175,7 +192,8 @@ def run_serve(cache: str, threads: int, tree: str | None, timeout: float = 1800)
     total, imports, weights, kv, compile_ = (float(g) for g in m.groups())
     inductor = next((int(i.group(1)) for _, line in lines if (i := INDUCTOR.search(line))), None)
     return {
-        "ready": health - t0, "first_token_after_ready": first - health, "sigterm_to_exit": stopped - stop,
+        "ready": health - t0, "first_token_after_ready": first - health,
+        "first_chat_token_after_ready": first_chat - health, "sigterm_to_exit": stopped - stop,
         "before_engine": logged_at - total - t0, "engine_imports": imports, "weights": weights, "kv_cache": kv,
         "compile": compile_, "after_engine": health - logged_at, "inductor_compilations": inductor,
     }
@@ -201,7 +219,7 @@ def run_vllm(model: str, cache: str, threads: int) -> dict:
 
 PHASES = {
     "serve": ["before_engine", "engine_imports", "weights", "kv_cache", "compile", "after_engine",
-              "first_token_after_ready", "sigterm_to_exit", "inductor_compilations"],
+              "first_token_after_ready", "first_chat_token_after_ready", "sigterm_to_exit", "inductor_compilations"],
     "offline": ["interpreter", "imports", "config_and_tokenizer", "weights", "kv_cache", "compile",
                 "first_token_after_ready", "inductor_compilations"],
     "llama.cpp": ["interpreter", "imports", "load", "first_token_after_ready"],
