@@ -46,6 +46,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import time
 import weakref
 from contextlib import contextmanager
@@ -105,6 +106,54 @@ class Stage:
     folder: Path | None = None
     files: set[str] = field(default_factory=set)  # relative paths copied (each matched the index)
     damages: list[Damage] = field(default_factory=list)
+
+
+class _ReadAhead:
+    """One file being read and hashed in a thread (both release the GIL): its stat, bytes, SHA-256."""
+
+    def __init__(self, path: Path) -> None:
+        self.result: tuple[os.stat_result, bytes, str] | None = None
+        self.thread = threading.Thread(target=self._read, args=(path,), name="CacheReadAhead", daemon=True)
+        self.thread.start()
+
+    def _read(self, path: Path) -> None:
+        try:
+            with open(path, "rb") as f:
+                stat, data = os.fstat(f.fileno()), f.read()
+            self.result = (stat, data, hashlib.sha256(data).hexdigest())
+        except OSError:  # gone, or unreadable: the read it was for reports that itself
+            pass
+
+
+_read_ahead: dict[str, _ReadAhead] = {}
+_read_ahead_lock = threading.Lock()
+
+
+def read_ahead(path: Path) -> None:
+    """Start reading `path` and its checksum now, for a `read_verified` of it soon in this process,
+    so that the two overlap the work between (a warm start's packed weights: 96 MB of the bundled
+    model, 0.1-0.2 s of reading and SHA-256 on a 2-core machine, beside building the model). The
+    bytes count only if they are what the index says, checked as any read's (else the file is read
+    again); bytes nobody took are dropped by `drop_read_ahead`."""
+    key = os.path.abspath(path)
+    with _read_ahead_lock:
+        if key not in _read_ahead:
+            _read_ahead[key] = _ReadAhead(Path(key))
+
+
+def take_read_ahead(path: Path) -> tuple[os.stat_result, bytes, str] | None:
+    """The read-ahead of `path` (waiting for it to finish), once; None where there is none."""
+    with _read_ahead_lock:
+        ahead = _read_ahead.pop(os.path.abspath(path), None)
+    if ahead is None:
+        return None
+    ahead.thread.join()
+    return ahead.result
+
+
+def drop_read_ahead() -> None:
+    with _read_ahead_lock:
+        _read_ahead.clear()
 
 
 def default_cache_root() -> Path:
@@ -536,6 +585,12 @@ class CompileCache:
         if Path(rel).is_absolute() or ".." in Path(rel).parts or not isinstance(record, dict):
             return None, Damage(INDEX_FILE, f"lists {rel!r} in a way no index written here does", whole_entry=True)
         path = self.entry / rel
+        ahead = take_read_ahead(path)
+        if ahead is not None:  # read (and hashed) ahead: used if it is the file the index describes
+            stat, data, digest = ahead
+            if len(data) == record.get("bytes") and digest == record.get("sha256"):
+                self._verified[rel] = (stat.st_size, stat.st_mtime_ns)
+                return data, None
         try:
             stat = path.stat()
             data = path.read_bytes()

@@ -15,14 +15,14 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from compiled_llm.compilation.compile_cache import CompileCache
+from compiled_llm.compilation.compile_cache import WEIGHTS_DIR, CompileCache, default_cache_root, read_ahead
 from compiled_llm.config import ModelConfig
 from compiled_llm.gguf_file import is_gguf
 from compiled_llm.logger import init_logger
 from compiled_llm.models.checkpoint import CheckpointTensor, read
 from compiled_llm.models.gguf_loader import iterate_gguf
 from compiled_llm.models.layers.linear import CheckpointWeight, LinearBase
-from compiled_llm.models.packed_weights import PackedWeights
+from compiled_llm.models.packed_weights import PackedWeights, checkpoint_identity
 from compiled_llm.models.registry import model_class
 from compiled_llm.quantization import get_quantization_config
 
@@ -194,6 +194,31 @@ def build_model(config: ModelConfig, device: torch.device, cpu_kernels: bool = F
     if packed is not None and not restored:
         packed.save(model)
     return model.eval()
+
+
+def read_ahead_packed_weights(config: ModelConfig, cache_root: str | Path | None) -> None:
+    """Start reading the packed weights a warm start of `config` will take from its compile cache
+    entry, before the entry's key is known (computing it, and building the model, take the time
+    the read and its checksum then overlap): a guess, the newest such file under `cache_root`. A
+    wrong guess costs a read; the entry's own file is checked against its index either way."""
+    try:
+        root = Path(cache_root).expanduser() if cache_root else default_cache_root()
+        name = f"{checkpoint_identity(config, checkpoint_paths(config.model))}.safetensors"
+        found = list(root.glob(f"*/{WEIGHTS_DIR}/{name}"))
+    except (OSError, ValueError):
+        return
+    if found:
+        read_ahead(max(found, key=lambda path: _last_used(root, path.parent.parent.name, path)))
+
+
+def _last_used(root: Path, key: str, fallback: Path) -> int:
+    """When entry `key` was last used (its lock file's mtime), else when `fallback` was written."""
+    for path in (root / f".{key}.lock", fallback):
+        try:
+            return path.stat().st_mtime_ns
+        except OSError:
+            continue
+    return 0
 
 
 def checkpoint_paths(model: str) -> list[Path]:

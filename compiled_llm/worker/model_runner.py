@@ -20,6 +20,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from compiled_llm.compilation.compile_cache import drop_read_ahead
 from compiled_llm.compilation.config import CUDAGraphMode
 from compiled_llm.compilation.counters import counters
 from compiled_llm.compilation.cudagraph_dispatcher import CudagraphDispatcher
@@ -34,7 +35,7 @@ from compiled_llm.messages.runner_output import LogprobsLists, ModelRunnerOutput
 from compiled_llm.messages.scheduler_output import SchedulerOutput
 from compiled_llm.models.layers.attention import Attention
 from compiled_llm.models.layers.lora import install_lora, lora_stack_dtype
-from compiled_llm.models.loader import build_model
+from compiled_llm.models.loader import build_model, read_ahead_packed_weights
 from compiled_llm.utils import cdiv
 from compiled_llm.worker import kv_cache_sizing
 from compiled_llm.worker.cache_factors import engine_compile_cache
@@ -62,6 +63,9 @@ class ModelRunner:
         self.max_num_reqs = sc.max_num_seqs
         self.max_num_tokens = sc.max_num_batched_tokens
         max_blocks_per_req = cdiv(mc.max_model_len, self.block_size)
+        cc = config.compilation_config  # compiled runs keep the packed weights in their compile cache entry
+        if self.device.type == "cpu" and cc.level and mc.load_format == "auto":
+            read_ahead_packed_weights(mc, cc.cache_dir)  # beside the cache key and the model's construction
         if self.device.type == "cpu" and config.num_threads:
             torch.set_num_threads(config.num_threads)
         if self.device.type == "cpu":  # the C++ kernels share their work over these threads, unpinned
@@ -72,10 +76,10 @@ class ModelRunner:
         started = time.perf_counter()
         # Builds the C++ CPU kernels once per machine, now rather than mid-step.
         cpu_kernels = uses_cpu_kernels(self.device, mc.dtype)
-        cc = config.compilation_config  # compiled runs keep the packed weights in their compile cache entry
         packed_cache = engine_compile_cache(config, tensor_parallel().rank) if cc.level else None
         self.model = build_model(mc, self.device, cpu_kernels=cpu_kernels, packed_cache=packed_cache,
                                  require_cache_hit=cc.require_cache_hit)
+        drop_read_ahead()  # a wrong guess's bytes
         self.load_seconds = time.perf_counter() - started
         self.tensor_parallel = tensor_parallel()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]

@@ -176,3 +176,37 @@ def test_16_bit_storage_is_taken_from_the_entry_too(tiny_llama, tmp_path):
     assert_same(load(config, tmp_path), reference)
     assert len(packed_files(tmp_path)) == 1
     assert_same(load(config, tmp_path), reference)  # restored: the packed copy, no float16 `weight` kept
+
+
+def test_the_packed_file_read_ahead_is_used_only_where_it_is_what_the_index_says(config, reference, tmp_path,
+                                                                                  caplog):
+    """A warm start reads the packed weights ahead (models/loader.py: read_ahead_packed_weights)
+    while it builds the model; the bytes read ahead count only where they are what the index
+    lists: a file replaced since is read again, a damaged one refused as any read refuses it."""
+    import compiled_llm.compilation.compile_cache as compile_cache
+    from compiled_llm.models.loader import read_ahead_packed_weights
+
+    load(config, tmp_path)
+    (name,) = packed_files(tmp_path)
+    rel, path = f"weights/{name}", tmp_path / KEY / "weights" / name
+    read_ahead_packed_weights(config, tmp_path)
+    assert list(compile_cache._read_ahead) == [str(path)]  # the guess: this entry's file
+    assert_same(load(config, tmp_path), reference)
+    assert compile_cache._read_ahead == {}  # taken by the load
+
+    # Replaced (and listed anew) after it was read ahead: the new bytes are read.
+    read_ahead_packed_weights(config, tmp_path)
+    cache = CompileCache(tmp_path, KEY, {})
+    with cache.opened():
+        assert cache.replace_file(rel, b"new bytes")
+    assert CompileCache(tmp_path, KEY, {}).read_verified(rel) == b"new bytes"
+    assert compile_cache._read_ahead == {}
+
+    # Damaged before it was read ahead: refused, named, and the next load packs the checkpoint again.
+    path.write_bytes(b"new bytez")
+    read_ahead_packed_weights(config, tmp_path)
+    with caplog.at_level("WARNING"):
+        assert CompileCache(tmp_path, KEY, {}).read_verified(rel) is None
+    assert "does not match its checksum" in caplog.text
+    path.unlink()
+    assert_same(load(config, tmp_path), reference)
