@@ -275,7 +275,7 @@ class CompilerBackend:
         self.inputs: Sequence[torch.Tensor] = ()  # the forward's inputs of the tracing call
         self.graphs_seen = 0
         self.piece_backends: list[PiecewiseBackend] = []
-        self.split: fx.GraphModule | None = None
+        self.split: torch.nn.Module | None = None  # a GraphModule, or loaded: a SavedGraphModule
         self.traced: TracedGraph | None = None
 
     # ---- warm start: the saved graph and its artifacts ------------------------------------------
@@ -362,7 +362,7 @@ class CompilerBackend:
 
     # ---- shared ---------------------------------------------------------------------------------
     def _install(
-        self, split: fx.GraphModule, metas: list[PieceMeta], artifacts: dict[tuple[str, ShapeSpec], Any]
+        self, split: torch.nn.Module, metas: list[PieceMeta], artifacts: dict[tuple[str, ShapeSpec], Any]
     ) -> None:
         piecewise = self.config.cudagraph_mode.has_piecewise_cudagraphs()
         for meta in metas:

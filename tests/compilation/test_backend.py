@@ -233,3 +233,24 @@ def test_an_entry_compiled_after_another_in_one_process_holds_its_own_libraries(
         libraries = [rel for rel in listed if rel.endswith(".so")]
         sources = [rel for rel in listed if rel.endswith(".main.cpp")]
         assert sources and len(libraries) == len(sources), (root, sorted(listed))
+
+
+def test_the_saved_graph_loads_as_the_code_torch_fx_would_run(compiled_in_process):
+    """load_graph rebuilds the split graph's modules from their pickled code without re-tracing
+    them (traced_graph.SavedGraphModule): the code each runs is the code torch.fx's own loader
+    regenerates, module for module, and the compiled pieces' places are there to install into."""
+    import pickle
+
+    from compiled_llm.compilation.traced_graph import GRAPH_FILE, SavedGraphModule, load_graph
+
+    _, compiled, _, _ = compiled_in_process
+    entry = Path(compiled.cache.entry)
+    ours, theirs = load_graph(entry), pickle.loads((entry / GRAPH_FILE).read_bytes())
+    assert isinstance(ours, SavedGraphModule) and "_graph" not in ours.__dict__  # no Graph kept...
+    assert [n.format_node() for n in ours.graph.nodes] == [n.format_node() for n in theirs.graph.nodes]  # ...on asking
+    pairs = [(ours, theirs), *zip(ours.children(), theirs.children())]
+    assert [name for name, _ in ours.named_children()] == [name for name, _ in theirs.named_children()]
+    modules = [(a, b) for a, b in pairs if isinstance(b, torch.fx.GraphModule)]
+    assert len(modules) > 1  # the split graph and the attention modules between the pieces
+    for a, b in modules:
+        assert isinstance(a, SavedGraphModule) and a._code.strip() == b.code.strip()

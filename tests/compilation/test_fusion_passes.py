@@ -18,6 +18,7 @@ from compiled_llm.compilation.partition import op_name
 from compiled_llm.compilation.pass_manager import DEFAULT_PASSES, PassManager
 from compiled_llm.compilation.rotary_attention_fusion import RotaryAttentionFusion
 from compiled_llm.compilation.silu_mul_linear_fusion import SiluMulLinearFusion
+from compiled_llm.compilation.traced_graph import SavedGraphModule
 from compiled_llm.engine.arg_utils import EngineArgs
 from compiled_llm.kernels.cpu_extension import cpu_kernels_available
 from tests.models.test_hf_parity import PROMPTS
@@ -166,7 +167,7 @@ def fused_attention_calls(llm: LLM, qkv_only: bool = False) -> int:
     """Attention calls that rotate their own inputs (the qkv overload also splits them), in the
     split graph's eager pieces."""
     split = llm.llm_engine.engine_core.executor.driver.compiled_forward.backend.split
-    graphs = [m.graph for m in split.modules() if isinstance(m, fx.GraphModule)]
+    graphs = [m.graph for m in split.modules() if isinstance(m, (fx.GraphModule, SavedGraphModule))]
     return sum(1 for g in graphs for n in g.nodes if op_name(n.target) == "compiled_llm::attention"
                and (n.target is torch.ops.compiled_llm.attention.qkv or (len(n.args) == 8 and not qkv_only)))
 
