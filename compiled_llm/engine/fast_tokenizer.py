@@ -42,7 +42,6 @@ class FastTokenizer:
 
     def __init__(self, backend: Tokenizer, meta: dict[str, Any], name_or_path: str = "") -> None:
         self._tokenizer = backend
-        self.backend_tokenizer = backend
         self.name_or_path = name_or_path
         self.tokenizer_class: str = meta["tokenizer_class"]
         self.special_tokens_map: dict[str, Any] = meta["special_tokens_map"]
@@ -60,6 +59,10 @@ class FastTokenizer:
             token = self.special_tokens_map.get(name)
             setattr(self, name, token)
             setattr(self, f"{name}_id", None if token is None else self.convert_tokens_to_ids(token))
+
+    @property
+    def backend_tokenizer(self) -> Tokenizer:
+        return self._tokenizer
 
     @classmethod
     def from_snapshot(cls, folder: str | Path, name_or_path: str = "") -> "FastTokenizer":

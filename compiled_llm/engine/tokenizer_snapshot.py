@@ -62,19 +62,34 @@ def snapshot_folder(folder: str | os.PathLike[str]) -> Path:
     return user_cache_dir() / "tokenizers" / digest.hexdigest()[:20]
 
 
+def _equal_meta(target: Path) -> dict[str, Any] | None:
+    """The snapshot meta in `target` where it was found equal to transformers'; None where there
+    is none yet, it differs, or it is damaged (said at debug level)."""
+    try:
+        meta = json.loads((target / META_FILE).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        logger.debug("Tokenizer snapshot %s unusable (%s); using transformers.", target, e)
+        return None
+    if not isinstance(meta, dict) or meta.get("equal") is not True:
+        logger.debug("Tokenizer snapshot %s: transformers kept (%s).", target,
+                     meta.get("difference") if isinstance(meta, dict) else "damaged")
+        return None
+    return meta
+
+
 def load_snapshot(folder: str | os.PathLike[str]) -> FastTokenizer | None:
     """The snapshot of `folder`'s tokenizer where one was written and found equal to
     transformers'; None where there is none yet or it was found to differ."""
     target = snapshot_folder(folder)
+    meta = _equal_meta(target)
+    if meta is None:
+        return None
     try:
-        meta = json.loads((target / META_FILE).read_text())
-        if not meta.get("equal"):
-            logger.debug("Tokenizer of %s: transformers kept (%s).", folder, meta.get("difference"))
-            return None
         return FastTokenizer.from_snapshot(target, str(folder))
-    except Exception as e:  # noqa: BLE001 - none yet, or damaged: transformers it is (and a fresh snapshot)
-        if not isinstance(e, FileNotFoundError):
-            logger.debug("Tokenizer snapshot %s unusable (%s); using transformers.", target, e)
+    except Exception as e:  # noqa: BLE001 - damaged: transformers it is (and a fresh snapshot)
+        logger.debug("Tokenizer snapshot %s unusable (%s); using transformers.", target, e)
         return None
 
 
@@ -82,10 +97,10 @@ def load_chat_templates(folder: str | os.PathLike[str]) -> ChatTemplates | None:
     """Only the chat template and special tokens of `folder`'s tokenizer, from its snapshot (where
     one was found equal to transformers'): what a chat template worker needs, without reading
     the vocabulary."""
+    meta = _equal_meta(snapshot_folder(folder))
     try:
-        meta = json.loads((snapshot_folder(folder) / META_FILE).read_text())
-        return ChatTemplates(meta["chat_template"], meta["special_tokens_map"]) if meta.get("equal") else None
-    except Exception:  # noqa: BLE001 - none yet, or damaged: the worker loads the tokenizer instead
+        return None if meta is None else ChatTemplates(meta["chat_template"], meta["special_tokens_map"])
+    except (KeyError, TypeError, AttributeError):  # damaged: the worker loads the tokenizer instead
         return None
 
 
@@ -111,7 +126,7 @@ def write_snapshot(folder: str | os.PathLike[str], hf_tokenizer: Any) -> None:
             "all_special_ids": [int(i) for i in hf_tokenizer.all_special_ids],
             "chat_template": hf_tokenizer.chat_template,
             # name_or_path is the loading folder's: several folders with the same files share a snapshot
-            "init_kwargs": _json_value({k: v for k, v in hf_tokenizer.init_kwargs.items()
+            "init_kwargs": json_value({k: v for k, v in hf_tokenizer.init_kwargs.items()
                                         if k not in ("vocab_file", "merges_file", "added_tokens_decoder",
                                                      "name_or_path", "tokenizer_file")}),
             "model_max_length": int(hf_tokenizer.model_max_length),
@@ -147,13 +162,15 @@ def _copy_backend(backend: Any) -> Any:
     return Tokenizer.from_str(backend.to_str())
 
 
-def _json_value(value: Any) -> Any:
-    if hasattr(value, "content"):  # an AddedToken: its text
+def json_value(value: Any) -> Any:
+    """A tokenizer setting as JSON: a special token (an AddedToken) as its text, anything else JSON
+    lacks as a string."""
+    if hasattr(value, "content"):
         return value.content
     if isinstance(value, dict):
-        return {str(k): _json_value(v) for k, v in value.items()}
+        return {str(k): json_value(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_json_value(v) for v in value]
+        return [json_value(v) for v in value]
     if value is None or isinstance(value, (str, int, float)):
         return value
     return str(value)

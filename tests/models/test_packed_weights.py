@@ -186,6 +186,7 @@ def test_the_packed_file_read_ahead_is_used_only_where_it_is_what_the_index_says
     import compiled_llm.compilation.compile_cache as compile_cache
     from compiled_llm.models.loader import read_ahead_packed_weights
 
+    compile_cache.drop_read_ahead()  # whatever an earlier start in this process guessed
     load(config, tmp_path)
     (name,) = packed_files(tmp_path)
     rel, path = f"weights/{name}", tmp_path / KEY / "weights" / name

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from compiled_llm.engine.tokenizer_snapshot import json_value
 from compiled_llm.entrypoints.openai.errors import OpenAIError
 from compiled_llm.entrypoints.openai.protocol import (
     DetokenizeRequest,
@@ -44,7 +45,7 @@ class OpenAIServingTokenization(OpenAIServingChat):
         chat template this server renders with, so that a client can tokenize and render as the
         server does."""
         tokenizer = self.engine.tokenizer
-        config = {key: _json_value(value) for key, value in (getattr(tokenizer, "init_kwargs", None) or {}).items()
+        config = {key: json_value(value) for key, value in (getattr(tokenizer, "init_kwargs", None) or {}).items()
                   if key not in ("vocab_file", "merges_file", "added_tokens_decoder")}
         added = getattr(tokenizer, "added_tokens_decoder", None) or {}
         config["added_tokens_decoder"] = {str(i): _added_token(token) for i, token in added.items()}
@@ -68,16 +69,3 @@ def _added_token(token: Any) -> dict[str, Any]:
     fields = ("content", "lstrip", "normalized", "rstrip", "single_word", "special")
     return {name: getattr(token, name) for name in fields if hasattr(token, name)} if hasattr(token, "content") \
         else {"content": str(token), "special": False}
-
-
-def _json_value(value: Any) -> Any:
-    """A tokenizer setting as JSON: a special token as its text, anything else JSON lacks as a string."""
-    if hasattr(value, "content"):  # tokenizers' AddedToken
-        return value.content
-    if isinstance(value, dict):
-        return {str(k): _json_value(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_value(v) for v in value]
-    if value is None or isinstance(value, (str, int, float, bool)):
-        return value
-    return str(value)
