@@ -5,6 +5,7 @@ checkpoint changes. A tiny Llama quantized to int8 at load (packed for the C++ G
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -206,8 +207,12 @@ def test_the_packed_file_read_ahead_is_used_only_where_it_is_what_the_index_says
     # Damaged before it was read ahead: refused, named, and the next load packs the checkpoint again.
     path.write_bytes(b"new bytez")
     read_ahead_packed_weights(config, tmp_path)
-    with caplog.at_level("WARNING"):
+    package_logger = logging.getLogger("compiled_llm")  # logs to its own handler, not the root's (logger.py)
+    package_logger.addHandler(caplog.handler)
+    try:
         assert CompileCache(tmp_path, KEY, {}).read_verified(rel) is None
+    finally:
+        package_logger.removeHandler(caplog.handler)
     assert "does not match its checksum" in caplog.text
     path.unlink()
     assert_same(load(config, tmp_path), reference)
