@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -22,7 +23,7 @@ _lib.impl("rotary_embedding", rotary_embedding, "CompositeImplicitAutograd")
 
 
 def _inv_freq(head_dim: int, theta: float) -> torch.Tensor:
-    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -37,6 +38,15 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     return torch.where(medium, smoothed, scaled)
 
 
+def _cos_sin_table(freqs: torch.Tensor) -> torch.Tensor:
+    """[cos | sin] of float64 `freqs`, rounded to float32, the same bits on every build. numpy's,
+    not torch's: torch's float64 cos and sin on the CPU split the work over threads, and a worker
+    thread's first call in a process can run at about half of float64's precision (torch 2.13,
+    MKL; one process in ten here), so two builds of one model disagreed in the table's last bit."""
+    angles = freqs.numpy()
+    return torch.from_numpy(np.concatenate([np.cos(angles), np.sin(angles)], axis=-1).astype(np.float32))
+
+
 class RotaryEmbedding(nn.Module):
     """Rotates queries and keys by their positions, from a precomputed cos/sin table."""
 
@@ -46,7 +56,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         inv_freq = _inv_freq(head_dim, theta)
-        positions = torch.arange(max_position, dtype=torch.float64)
+        positions = torch.arange(max_position, dtype=torch.float64, device="cpu")  # the table is built here
         kind = scaling["rope_type"] if scaling else "default"
         if kind == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)  # type: ignore[arg-type]
@@ -54,8 +64,7 @@ class RotaryEmbedding(nn.Module):
             positions = positions / scaling["factor"]  # type: ignore[index]
         elif kind != "default":
             raise ValueError(f"Unsupported rope scaling type {kind!r}; supported: default, linear, llama3.")
-        freqs = torch.outer(positions, inv_freq)
-        cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(torch.float32)
+        cache = _cos_sin_table(torch.outer(positions, inv_freq)).to(torch.get_default_device())  # the model's
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
     def forward(
