@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from compiled_llm.config import ModelConfig
-from compiled_llm.engine.async_llm import AsyncLLM, RequestStream
 from compiled_llm.outputs import CompletionOutput, Logprob, RequestOutput
 from compiled_llm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:  # the offline LLM imports this module and never needs the server's engine client
+    from compiled_llm.engine.async_llm import AsyncLLM, RequestStream
 
 
 @dataclass
