@@ -51,3 +51,16 @@ def engine_compile_cache(config: EngineConfig, rank: int, role: str | None = Non
     signing_key = read_signing_key(key_file) if key_file else None
     about = {"model": config.model_config.model}  # shown by `cache list`; not a factor (weights are not)
     return CompileCache(compilation.cache_dir, cache_key(factors), factors, signing_key, about)
+
+
+def start_reading_packed_weights(config: EngineConfig) -> None:
+    """Start reading, in a thread, the packed weights a warm start of this engine on the CPU takes
+    from its compile cache entry (models/loader.py: read_ahead_packed_weights), where its runs keep
+    them there (compiled, weights from a checkpoint). Called as early as the settings are known:
+    the offline `LLM` before its tokenizer and the engine's imports, the model runner again (a no-op
+    where the read has begun); the runner drops bytes nobody took."""
+    mc, cc = config.model_config, config.compilation_config
+    if config.torch_device.type == "cpu" and cc.level and mc.load_format == "auto":
+        from compiled_llm.models.loader import read_ahead_packed_weights
+
+        read_ahead_packed_weights(mc, cc.cache_dir)

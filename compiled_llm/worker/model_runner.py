@@ -35,10 +35,10 @@ from compiled_llm.messages.runner_output import LogprobsLists, ModelRunnerOutput
 from compiled_llm.messages.scheduler_output import SchedulerOutput
 from compiled_llm.models.layers.attention import Attention
 from compiled_llm.models.layers.lora import install_lora, lora_stack_dtype
-from compiled_llm.models.loader import build_model, read_ahead_packed_weights
+from compiled_llm.models.loader import build_model
 from compiled_llm.utils import cdiv
 from compiled_llm.worker import kv_cache_sizing
-from compiled_llm.worker.cache_factors import engine_compile_cache
+from compiled_llm.worker.cache_factors import engine_compile_cache, start_reading_packed_weights
 from compiled_llm.worker.compile_and_capture import capture_cudagraphs, compile_model, compile_summary
 from compiled_llm.worker.draft_proposer import DraftModelProposer
 from compiled_llm.worker.grammar_bitmask import apply_grammar_bitmask
@@ -63,9 +63,8 @@ class ModelRunner:
         self.max_num_reqs = sc.max_num_seqs
         self.max_num_tokens = sc.max_num_batched_tokens
         max_blocks_per_req = cdiv(mc.max_model_len, self.block_size)
-        cc = config.compilation_config  # compiled runs keep the packed weights in their compile cache entry
-        if self.device.type == "cpu" and cc.level and mc.load_format == "auto":
-            read_ahead_packed_weights(mc, cc.cache_dir)  # beside the cache key and the model's construction
+        cc = config.compilation_config
+        start_reading_packed_weights(config)  # beside the cache key and the model's construction
         if self.device.type == "cpu" and config.num_threads:
             torch.set_num_threads(config.num_threads)
         if self.device.type == "cpu":  # the C++ kernels share their work over these threads, unpinned

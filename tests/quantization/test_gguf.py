@@ -214,3 +214,32 @@ def test_an_f16_file_keeps_two_bytes_a_weight_and_answers_as_its_f32_twin(tmp_pa
     finally:
         for path in paths.values():
             shutil.rmtree(metadata_folder(path), ignore_errors=True)
+
+
+def test_a_warm_llm_reads_its_packed_weights_before_its_tokenizer_and_uses_them(gguf_path, precompiled,
+                                                                                monkeypatch):
+    """`LLM()` starts reading the entry's packed weights as soon as its settings are known, so the
+    read overlaps the tokenizer's load and the engine's imports; the load then takes those bytes,
+    and none stay held."""
+    import compiled_llm.compilation.compile_cache as compile_cache
+    import compiled_llm.engine.llm_engine as llm_engine
+    import compiled_llm.models.loader as loader
+
+    events: list[str] = []
+
+    def spy(module, name, event):  # the real function, and what its call was, in order
+        real = getattr(module, name)
+
+        def wrapped(*args, **kwargs):
+            out = real(*args, **kwargs)
+            events.append(event(out))
+            return out
+        monkeypatch.setattr(module, name, wrapped)
+
+    spy(loader, "read_ahead", lambda _: "read ahead")
+    spy(llm_engine, "get_tokenizer", lambda _: "tokenizer")
+    spy(compile_cache, "take_read_ahead", lambda out: "taken" if out is not None else "none to take")
+    cache, _ = precompiled
+    LLM(gguf_path, optimization_level=1, compile_cache=str(cache), require_cache_hit=True, **ENGINE)
+    assert events[:2] == ["read ahead", "tokenizer"] and "taken" in events, events
+    assert compile_cache._read_ahead == {}
