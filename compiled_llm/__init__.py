@@ -11,7 +11,10 @@ from compiled_llm.sampling_params import RequestOutputKind, SamplingParams
 def __getattr__(name: str):
     # LLM pulls in torch and the engine; import it only when asked for.
     if name == "LLM":
-        from compiled_llm.entrypoints.llm import LLM
+        from compiled_llm.utils import gc_paused
+
+        with gc_paused():  # torch and the engine's modules: no collection walks them mid-import
+            from compiled_llm.entrypoints.llm import LLM
 
         return LLM
     raise AttributeError(name)

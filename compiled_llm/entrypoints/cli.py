@@ -39,7 +39,10 @@ def _run_serve(args: argparse.Namespace) -> int:
 
     server_args, engine_args = ServerArgs.from_cli_args(args), EngineArgs.from_cli_args(args)
     try:
-        if server_args.api_server_count > 1:
+        if server_args.api_server_count > 1:  # this process only supervises: it freezes no heap
+            import gc
+
+            gc.enable()
             from compiled_llm.entrypoints.openai.api_server_group import run_api_server_group
 
             status = run_api_server_group(server_args, engine_args)
@@ -164,6 +167,17 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else list(argv)
     chosen = next((w for w in words if not w.startswith("-")), None)
+    if chosen != "serve":
+        return _main(chosen, argv)
+    from compiled_llm.utils import gc_paused
+
+    # No collection walks serve's start-up heap as it is made (torch's modules first); each of its
+    # processes collects and freezes it once, when made (utils.freeze_gc_heap), and collects on.
+    with gc_paused():
+        return _main(chosen, argv)
+
+
+def _main(chosen: str | None, argv: Sequence[str] | None) -> int:
     args = build_parser(chosen if chosen in SUBCOMMANDS else None).parse_args(argv)
     from compiled_llm.utils import UserError
 

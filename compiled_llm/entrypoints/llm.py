@@ -29,6 +29,7 @@ from compiled_llm.outputs import (
 )
 from compiled_llm.pooling_params import PoolingParams
 from compiled_llm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from compiled_llm.utils import gc_paused
 from compiled_llm.worker.cache_factors import start_reading_packed_weights
 
 ChatMessages = list[dict[str, Any]]
@@ -46,15 +47,16 @@ class LLM:
 
     def __init__(self, model: str | None = None, chat_template: str | None = None, **engine_args: Any) -> None:
         self.chat_template = load_chat_template(chat_template)  # a bad path fails before the model loads
-        config = EngineArgs(model=model, **engine_args).create_engine_config()
-        # The engine's rank 0 runs in this process: its packed weights' read overlaps the tokenizer's
-        # load and the engine's imports (0.1-0.2 s of a warm start), not only the model's construction.
-        start_reading_packed_weights(config)
-        try:
-            self.llm_engine = LLMEngine(config)
-        except BaseException:
-            drop_read_ahead()  # no runner took them
-            raise
+        with gc_paused():  # the engine's objects are made once and live as long as it does
+            config = EngineArgs(model=model, **engine_args).create_engine_config()
+            # The engine's rank 0 runs in this process: its packed weights' read overlaps the tokenizer's
+            # load and the engine's imports (0.1-0.2 s of a warm start), not only the model's construction.
+            start_reading_packed_weights(config)
+            try:
+                self.llm_engine = LLMEngine(config)
+            except BaseException:
+                drop_read_ahead()  # no runner took them
+                raise
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Any:
