@@ -100,7 +100,8 @@ def probe_result(out: str) -> dict:
 def env_for(tree: str | None, threads: int) -> dict[str, str]:
     # A user's Python keeps the bytecode of what it imports (pip writes it at install); with
     # PYTHONDONTWRITEBYTECODE set, as some sandboxes and CI images do, every start of ours would
-    # compile each of the package's modules from source again (0.05-0.1 s on a 2-core machine).
+    # compile each of the package's modules from source again (0.11-0.15 s of a warm start on a
+    # 2-core machine, measured).
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     env["COMPILED_LLM_NUM_THREADS"] = str(threads)
     if tree:

@@ -55,6 +55,20 @@ def _tiny_config(arch: str, vocab_size: int):
     raise ValueError(arch)
 
 
+@pytest.fixture
+def package_log(caplog):
+    """pytest's `caplog`, seeing the package's log too: its logger writes to its own handler and
+    does not propagate to the root (compiled_llm/logger.py), where only some pytest versions look."""
+    import logging
+
+    logger = logging.getLogger("compiled_llm")
+    logger.addHandler(caplog.handler)
+    try:
+        yield caplog
+    finally:
+        logger.removeHandler(caplog.handler)
+
+
 @pytest.fixture(scope="session")
 def real_model_path() -> str:
     """The bundled SmolLM2-135M-Instruct, converted to a Hugging Face folder."""

@@ -3,8 +3,6 @@ with its reason at start-up."""
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 
@@ -55,24 +53,11 @@ def test_auto_by_cpu_flags(monkeypatch, flags, expected):
         assert "100x slower" in describe_cpu_dtype(torch.bfloat16)  # asked for anyway: say what it costs
 
 
-class Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
-def test_start_up_logs_threads_and_dtype(tiny_llama):
-    records = Records()
-    logger = logging.getLogger("compiled_llm")
-    logger.addHandler(records)
+def test_start_up_logs_threads_and_dtype(tiny_llama, package_log):
     threads = torch.get_num_threads()  # the offline engine runs in this process and sets them
     try:
         LLM(tiny_llama, optimization_level=0, max_model_len=64, kv_cache_memory_bytes=1 << 20, num_threads=1)
     finally:
-        logger.removeHandler(records)
         torch.set_num_threads(threads)
-    line = next(m for m in records.messages if m.startswith("CPU: "))
+    line = next(m for m in package_log.messages if m.startswith("CPU: "))
     assert "1 threads" in line and describe_cpu_dtype(resolve_dtype("auto", None, CPU)) in line
