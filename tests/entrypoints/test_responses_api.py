@@ -225,6 +225,46 @@ def test_previous_response_get_and_delete(tiny_api_server):
     assert unstored.store is False and _error(lambda: c.responses.retrieve(unstored.id))[0] == 404
 
 
+def test_input_items_list_the_conversation(tiny_api_server):
+    """`input_items` of a stored response: every item it was generated from, earlier turns' inputs and
+    outputs included, in OpenAI's item shapes, newest first unless asked; ids that stay the same from
+    call to call, so the official client's pages (cursor `after`) and `before` walk them."""
+    c = client(tiny_api_server)
+    first = c.responses.create(model="tiny", input="Hello", instructions="Be kind.", max_output_tokens=3)
+    [hello] = c.responses.input_items.list(first.id).data
+    assert (hello.type, hello.role, hello.status) == ("message", "user", "completed")
+    assert [(part.type, part.text) for part in hello.content] == [("input_text", "Hello")]
+    assert hello.id.startswith("msg_")  # the instructions are no item
+
+    second = c.responses.create(model="tiny", max_output_tokens=3, previous_response_id=first.id, input=[
+        {"role": "user", "content": "Again"},
+        {"role": "developer", "content": [{"type": "input_text", "text": "Briefly."}]}])
+    oldest_first = c.responses.input_items.list(second.id, order="asc").data
+    assert [item.id for item in oldest_first] == [hello.id, *(item.id for item in first.output),
+                                                  *(item.id for item in oldest_first[-2:])]
+    assert [(item.type, getattr(item, "role", None)) for item in oldest_first[-2:]] == [("message", "user"),
+                                                                                        ("message", "developer")]
+    assert oldest_first[-1].content[0].text == "Briefly."
+    newest_first = c.responses.input_items.list(second.id).data  # OpenAI's default order: desc
+    assert [item.id for item in newest_first] == [item.id for item in reversed(oldest_first)]
+    assert newest_first == c.responses.input_items.list(second.id).data  # the same ids every call
+
+    page = c.responses.input_items.list(second.id, order="asc", limit=1)
+    assert page.has_more and [item.id for item in page.data] == [hello.id]
+    walked = [item.id for item in c.responses.input_items.list(second.id, order="asc", limit=1)]
+    assert walked == [item.id for item in oldest_first]  # the client follows `after` page by page
+    before = httpx.get(f"{tiny_api_server.url}/v1/responses/{second.id}/input_items", timeout=TIMEOUT,
+                       params={"order": "asc", "before": oldest_first[2].id}).json()
+    assert [item["id"] for item in before["data"]] == [item.id for item in oldest_first[:2]]
+    assert before["first_id"] == hello.id and before["has_more"] is False
+
+    for kwargs, param in (({"limit": 0}, "limit"), ({"limit": 101}, "limit"), ({"order": "sideways"}, "order"),
+                          ({"after": "msg_nowhere"}, "after"), ({"include": ["file_search_call.results"]}, "include")):
+        status, body = _error(lambda: c.responses.input_items.list(second.id, **kwargs))
+        assert status == 400 and body["param"] == param, (kwargs, body)
+    assert _error(lambda: c.responses.input_items.list("resp_nowhere"))[0] == 404
+
+
 def test_output_logprobs_and_response_messages(tiny_api_server):
     """include message.output_text.logprobs with top_logprobs: each output token's logprob and its
     alternatives, the same as chat's, whole and streamed (each delta with its own tokens'); vLLM's

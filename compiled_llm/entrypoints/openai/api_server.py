@@ -275,6 +275,13 @@ def build_app(
     async def delete_response(response_id: str) -> Response:
         return responses.delete(response_id)
 
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(response_id: str, raw_request: Request, order: str = "desc", limit: int = 20,
+                               after: str | None = None, before: str | None = None) -> Response:
+        query = raw_request.query_params  # the official client sends `include[]=...`
+        include = query.getlist("include") + query.getlist("include[]")
+        return responses.list_input_items(response_id, order, limit, after, before, include)
+
     @app.post("/v1/responses/{response_id}/cancel")
     async def cancel_response(response_id: str) -> Response:
         return responses.cancel(response_id)

@@ -202,6 +202,16 @@ class ResponsesResponse(OpenAIBaseModel):
     output_messages: list[RawMessage] | None = None
 
 
+class InputItemList(OpenAIBaseModel):
+    """A page of `GET /v1/responses/{id}/input_items`: the official client's cursor page."""
+
+    object: Literal["list"] = "list"
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
 class ResponseDeleted(OpenAIBaseModel):
     id: str
     object: Literal["response.deleted"] = "response.deleted"

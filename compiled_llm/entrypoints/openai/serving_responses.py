@@ -1,5 +1,6 @@
-"""POST /v1/responses (OpenAI's Responses API), GET and DELETE /v1/responses/{id}, and POST
-/v1/responses/{id}/cancel (a 400: no response served here runs in the background).
+"""POST /v1/responses (OpenAI's Responses API), GET and DELETE /v1/responses/{id}, GET
+/v1/responses/{id}/input_items, and POST /v1/responses/{id}/cancel (a 400: no response served here
+runs in the background).
 
 A Responses request is served as the chat completion it amounts to: its `instructions` become a
 system message, its input items chat messages (`developer` is `system`; a `function_call` item an
@@ -41,6 +42,7 @@ from compiled_llm.entrypoints.openai.responses_protocol import (
     FunctionCallArgumentsDoneEvent,
     FunctionToolCall,
     IncompleteDetails,
+    InputItemList,
     InputTokensDetails,
     OutputItem,
     OutputItemEvent,
@@ -112,6 +114,63 @@ def input_items(request: ResponsesRequest) -> list[dict[str, Any]]:
     if isinstance(request.input, str):
         return [{"type": "message", "role": "user", "content": request.input}]
     return list(request.input)
+
+
+# The id prefix OpenAI gives each kind of input item; an item the client sent without an id gets one
+# when its response is stored, so that a listing's cursors stay the same from call to call.
+_ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+
+
+def identified(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Copies of `items`, each with an `id` (its own, or a new one)."""
+    out = []
+    for item in items:
+        if isinstance(item, dict) and "id" not in item:
+            kind = item.get("type", "message" if "role" in item else None)
+            item = {**item, "id": f"{_ITEM_ID_PREFIXES.get(kind, 'item')}_{random_uuid()}"}
+        out.append(item)
+    return out
+
+
+def listed_item(item: dict[str, Any]) -> dict[str, Any]:
+    """An item of the conversation as `input_items` lists it (OpenAI's item shapes): a message's
+    content as typed parts (`input_text`, or `output_text` for the assistant's), a status on each."""
+    item = {**item, "status": item.get("status") or "completed"}
+    kind = item.setdefault("type", "message" if "role" in item else None)
+    if kind == "message":
+        text_type = "output_text" if item.get("role") == "assistant" else "input_text"
+        content = item.get("content")
+        parts = [{"type": text_type, "text": content}] if isinstance(content, str) else list(content or [])
+        item["content"] = [{**part, "type": text_type} if part.get("type") == "text" else part for part in parts]
+        if text_type == "output_text":
+            item["content"] = [{"annotations": [], **part} for part in item["content"]]
+    return item
+
+
+def item_page(items: list[dict[str, Any]], order: str, limit: int, after: str | None,
+              before: str | None) -> InputItemList:
+    """One page of `items` (oldest first) in `order`: after the item `after` and before the item
+    `before` (ids; each a 400 when no item has it), at most `limit` items."""
+    if order not in ("asc", "desc"):
+        raise OpenAIError(f"order must be 'asc' or 'desc', got {order!r}.", param="order")
+    if not 1 <= limit <= 100:
+        raise OpenAIError(f"limit must be between 1 and 100, got {limit}.", param="limit")
+    ordered = items if order == "asc" else items[::-1]
+    ids = [item.get("id") for item in ordered]
+    start, end = 0, len(ordered)
+    for name, cursor in (("after", after), ("before", before)):
+        if cursor is None:
+            continue
+        if cursor not in ids:
+            raise OpenAIError(f"{name}: no input item of this response has the id {cursor!r}.", param=name)
+        if name == "after":
+            start = ids.index(cursor) + 1
+        else:
+            end = ids.index(cursor)
+    window = ordered[start:max(start, end)]
+    data = window[:limit]
+    return InputItemList(data=data, first_id=data[0].get("id") if data else None,
+                         last_id=data[-1].get("id") if data else None, has_more=len(window) > limit)
 
 
 def chat_messages(items: list[dict[str, Any]], first_index: int = 0) -> list[dict[str, Any]]:
@@ -295,8 +354,8 @@ class OpenAIServingResponses:
         request_id = f"resp_{request.request_id or random_uuid()}"
         stream = await chat.add_request(request_id, {"prompt": text, "prompt_token_ids": ids}, params, creq.priority,
                                         chat.lora_request(request.model))
-        turn = _Turn(request, request_id, tools, reasoning_parser, ids, conversation + items, int(time.time()), text,
-                     num_top)
+        turn = _Turn(request, request_id, tools, reasoning_parser, ids, conversation + identified(items),
+                     int(time.time()), text, num_top)
         if request.stream:
             return event_stream(self._events(turn, stream), [request_id], self.engine)
         return await json_response(raw_request, self._respond(turn, stream), [request_id], self.engine)
@@ -306,6 +365,20 @@ class OpenAIServingResponses:
         if entry is None:
             raise _not_found(response_id)
         return JSONResponse(entry.response.model_dump())
+
+    def list_input_items(self, response_id: str, order: str = "desc", limit: int = 20, after: str | None = None,
+                         before: str | None = None, include: list[str] | None = None) -> JSONResponse:
+        """The items a stored response was generated from, earlier turns' inputs and outputs
+        included (as OpenAI lists them), newest first by default; the instructions are no item."""
+        entry = self.store.get(response_id) if self.store is not None else None
+        if entry is None:
+            raise _not_found(response_id)
+        unserved = [name for name in include or [] if name not in _INCLUDABLE]
+        if unserved:
+            raise OpenAIError(f"include {unserved[0]!r} is not supported by this server (it can include: "
+                              f"{', '.join(_INCLUDABLE)}).", param="include")
+        items = [listed_item(item) for item in entry.conversation]
+        return JSONResponse(item_page(items, order, limit, after, before).model_dump())
 
     def cancel(self, response_id: str) -> JSONResponse:
         """vLLM's cancel: only a background response can be, and none is served here, so a kept
