@@ -93,6 +93,10 @@ def describe_cpu_dtype(dtype: torch.dtype) -> str:
     return f"{name}: the CPU has no native bf16 (neither AMX nor avx512_bf16), where bf16 matmuls are ~100x slower"
 
 
+# The prefixes the Prometheus metrics' names may take (`serve --metrics-namespace`): our own, or vLLM's
+# for dashboards and alerts made for vLLM. The first is the default.
+METRICS_NAMESPACES = ("compiled_llm", "vllm")
+
 # The weight formats of `--quantization` (compiled_llm/quantization/ holds one file per method).
 QUANTIZATION_NAMES = ("int8", "int4", "fp16_storage", "gguf", "fp8")
 # The method of a .gguf MODEL (and of no other): its blocks served as they ship.

@@ -73,6 +73,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 # The help group of developer knobs (compiler internals, CUDA graphs, test weights): listed after
 # every other group, so that `--help` shows what most users set first.
 ADVANCED = "advanced"

@@ -17,12 +17,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncGenerator, Callable, Iterable
 
 from compiled_llm.config import EngineConfig
+from compiled_llm.engine.admission import AdmissionLimits, EngineBusyError
 from compiled_llm.engine.arg_utils import EngineArgs
 from compiled_llm.engine.chat_templates import ChatTemplateRenderer
 from compiled_llm.engine.core_client import AsyncMPClient, EngineDeadError
 from compiled_llm.engine.dp_client import DPAsyncMPClient
 from compiled_llm.engine.engine_process import EngineHandle
-from compiled_llm.engine.metrics import EngineMetrics
+from compiled_llm.engine.metrics import DEFAULT_NAMESPACE, EngineMetrics
 from compiled_llm.engine.output_processor import OutputProcessor
 from compiled_llm.engine.processor import Processor, PromptType
 from compiled_llm.engine.tokenizer import get_tokenizer
@@ -101,16 +102,21 @@ class AsyncLLM:
     def __init__(
         self, config: EngineConfig, engine_timeout_s: float = 120.0, stream_interval: int = 1,
         engine: EngineHandle | None = None, client_index: int = 0, wait_ready: bool = True,
+        admission: AdmissionLimits | None = None, metrics_namespace: str = DEFAULT_NAMESPACE,
     ) -> None:
         """`stream_interval`: streamed (delta) requests get their tokens in events of this many
         (the first and the last event excepted): fewer writes and wake-ups per token, coarser ITL.
         `engine`, `client_index`: an engine core started already (by this process, or by another
         one for several API server processes to share), and this one's place among them (default:
         start our own engine). `wait_ready=False`: return while the engine still loads; call
-        `wait_ready()` before serving (the caller's own start-up overlaps the engine's)."""
+        `wait_ready()` before serving (the caller's own start-up overlaps the engine's).
+        `admission`: the limits past which a request is refused with EngineBusyError (default: none).
+        `metrics_namespace`: the Prometheus metrics' prefix (`compiled_llm`, or `vllm` for vLLM's
+        dashboards)."""
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}.")
         self.stream_interval = stream_interval
+        self.admission = admission
         self.config = config
         self.model_config = config.model_config
         # One engine core process, or a data-parallel group of them behind this frontend. A single
@@ -124,7 +130,7 @@ class AsyncLLM:
                                        config.lora_config)
             self.output_processor = OutputProcessor(self.tokenizer)
             self.metrics = EngineMetrics(self.model_config.served_model_name, self.model_config.max_model_len,
-                                         config.parallel_config.data_parallel_size)
+                                         config.parallel_config.data_parallel_size, metrics_namespace)
             if client is None:
                 client = DPAsyncMPClient(config, engine_timeout_s)
         except BaseException:
@@ -165,10 +171,11 @@ class AsyncLLM:
 
     @classmethod
     def from_engine_args(
-        cls, args: EngineArgs, engine_timeout_s: float = 120.0, stream_interval: int = 1
+        cls, args: EngineArgs, engine_timeout_s: float = 120.0, stream_interval: int = 1, **kwargs: Any
     ) -> "AsyncLLM":
-        """Start the engine core process and wait until it is ready (model loaded, compiled)."""
-        return cls(args.create_engine_config(), engine_timeout_s, stream_interval)
+        """Start the engine core process and wait until it is ready (model loaded, compiled);
+        `kwargs`: the constructor's others (`admission`, `metrics_namespace`)."""
+        return cls(args.create_engine_config(), engine_timeout_s, stream_interval, **kwargs)
 
     # ---- state -------------------------------------------------------------------------------
     @property
@@ -211,6 +218,13 @@ class AsyncLLM:
         await self.check_health()
         if request_id in self._streams:
             raise ValueError(f"Request id {request_id!r} is already in use.")
+        if self.admission is not None:
+            num_sequences = params.n if isinstance(params, SamplingParams) else 1
+            try:
+                self.admission.check(self.output_processor.states, num_sequences)
+            except EngineBusyError as e:
+                self.metrics.record_admission_rejection(e.reason)
+                raise
         delta = isinstance(params, SamplingParams) and params.output_kind == RequestOutputKind.DELTA
         stream = RequestStream(request_id, delta, self._forget, self.stream_interval)
         self._streams[request_id] = stream

@@ -1,4 +1,5 @@
-"""Prometheus metrics of one frontend, under vLLM's names with the `compiled_llm:` prefix.
+"""Prometheus metrics of one frontend, under vLLM's names with the `compiled_llm:` prefix (or
+vLLM's own `vllm:`, with `serve --metrics-namespace vllm`, for dashboards and alerts made for vLLM).
 
 Fed from two places: the `SchedulerStats` that ride on every `EngineCoreOutputs` (queue lengths,
 KV-cache usage, prefix-cache lookups, the step's token count) and the `OutputProcessor`'s
@@ -25,11 +26,12 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 
-from compiled_llm.config import CacheConfig
+from compiled_llm.config import METRICS_NAMESPACES, CacheConfig
+from compiled_llm.engine.admission import ADMISSION_REASONS
 from compiled_llm.engine.output_processor import RequestState
 from compiled_llm.messages.engine_core import EngineCoreOutput, SchedulerStats
 
-PREFIX = "compiled_llm:"
+DEFAULT_NAMESPACE = METRICS_NAMESPACES[0]
 
 # vLLM's buckets.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -72,27 +74,32 @@ class PerEngine:
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str, max_model_len: int = 1 << 17, num_engines: int = 1) -> None:
+    def __init__(self, model_name: str, max_model_len: int = 1 << 17, num_engines: int = 1,
+                 namespace: str = DEFAULT_NAMESPACE) -> None:
+        if namespace not in METRICS_NAMESPACES:
+            raise ValueError(f"Unknown metrics namespace {namespace!r}; use one of {', '.join(METRICS_NAMESPACES)}.")
+        self.prefix = prefix = namespace + ":"
+        self.max_model_len = max_model_len
         self.registry = CollectorRegistry()
         reg, labels = self.registry, ["model_name", "engine"]
         self.engine = 0  # the engine whose outputs are being recorded (set by the output handler)
 
         def gauge(name: str, doc: str) -> PerEngine:
             # With several API server processes only process 0 sets them: its latest value is the one.
-            return PerEngine(Gauge(PREFIX + name, doc, labels, registry=reg, multiprocess_mode="mostrecent"),
+            return PerEngine(Gauge(prefix + name, doc, labels, registry=reg, multiprocess_mode="mostrecent"),
                              model_name)
 
         def counter(name: str, doc: str) -> PerEngine:
-            return PerEngine(Counter(PREFIX + name, doc, labels, registry=reg), model_name)
+            return PerEngine(Counter(prefix + name, doc, labels, registry=reg), model_name)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> PerEngine:
-            return PerEngine(Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=reg), model_name)
+            return PerEngine(Histogram(prefix + name, doc, labels, buckets=buckets, registry=reg), model_name)
 
         token_buckets = buckets_1_2_5(max_model_len)
         self.num_requests_running = gauge("num_requests_running", "Requests in the model's running batch.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self._waiting_by_reason = Gauge(
-            PREFIX + "num_requests_waiting_by_reason", "Requests waiting to be scheduled, by reason: capacity (no "
+            prefix + "num_requests_waiting_by_reason", "Requests waiting to be scheduled, by reason: capacity (no "
             "room yet) or deferred (held back by a rule: an n > 1 request's samples beyond their share).",
             ["model_name", "engine", "reason"], registry=reg, multiprocess_mode="mostrecent")
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).")
@@ -107,14 +114,20 @@ class EngineMetrics:
         self.spec_decode_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed.")
         self.spec_decode_num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
         self._spec_per_pos = Counter(
-            PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position in the draft.",
+            prefix + "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position in the draft.",
             ["model_name", "engine", "position"], registry=reg,
         )
         self._request_success = Counter(
-            PREFIX + "request_success", "Finished requests, by finish reason.",
+            prefix + "request_success", "Finished requests, by finish reason.",
             ["model_name", "engine", "finished_reason"], registry=reg,
         )
         self._model_name = model_name
+        # vLLM's frontend admission counter: requests refused by --max-num-queued-reqs/-tokens.
+        self._admission_rejections = Counter(
+            prefix + "admission_rejections", "Requests refused at admission by a queue limit, by reason.",
+            ["model_name", "reason"], registry=reg)
+        for reason in ADMISSION_REASONS:
+            self._admission_rejections.labels(model_name, reason)
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens (prompt and generated) per engine step.",
                                           ITERATION_TOKEN_BUCKETS)
         self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens of each finished request.",
@@ -171,18 +184,25 @@ class EngineMetrics:
     def record_cache_config(self, cache_config: CacheConfig, num_blocks: int | None, num_engines: int = 1) -> None:
         """vLLM's `cache_config_info`: an info gauge (always 1) whose labels are the KV cache's
         settings, and the number of blocks the engine made of its budget."""
+        size_tokens = num_blocks * cache_config.block_size if num_blocks else None
         info = {
             "block_size": cache_config.block_size,
             "enable_prefix_caching": cache_config.enable_prefix_caching,
             "kv_cache_memory_bytes": cache_config.kv_cache_memory_bytes,
             "gpu_memory_utilization": cache_config.gpu_memory_utilization,
             "num_gpu_blocks": num_blocks,
+            # vLLM's: the tokens the cache holds, and how many requests of the full context fit in it.
+            "kv_cache_size_tokens": size_tokens,
+            "kv_cache_max_concurrency": round(size_tokens / self.max_model_len, 2) if size_tokens else None,
         }
         names = ["model_name", "engine", *info]
-        gauge = Gauge(PREFIX + "cache_config_info", "Information of the KV cache's configuration (labels).", names,
+        gauge = Gauge(self.prefix + "cache_config_info", "Information of the KV cache's configuration (labels).", names,
                       registry=self.registry, multiprocess_mode="mostrecent")
         for engine in range(num_engines):
             gauge.labels(self._model_name, str(engine), *(str(v) for v in info.values())).set(1)
+
+    def record_admission_rejection(self, reason: str) -> None:
+        self._admission_rejections.labels(self._model_name, reason).inc()
 
     def record_scheduler_stats(self, stats: SchedulerStats, engine: int = 0) -> None:
         self.num_requests_running[engine].set(stats.num_running_reqs)

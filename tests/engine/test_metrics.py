@@ -46,7 +46,8 @@ async def generate_all(engine: AsyncLLM, prompts: list[str], params: SamplingPar
 
 def test_cache_config_info(engine):
     labels = {"block_size": "16", "enable_prefix_caching": "True", "kv_cache_memory_bytes": str(BLOCKS * BLOCK_BYTES),
-              "gpu_memory_utilization": "0.9", "num_gpu_blocks": str(BLOCKS)}
+              "gpu_memory_utilization": "0.9", "num_gpu_blocks": str(BLOCKS),
+              "kv_cache_size_tokens": str(BLOCKS * 16), "kv_cache_max_concurrency": str(BLOCKS * 16 / 256)}
     assert sample(engine, "cache_config_info", **labels) == 1
 
 

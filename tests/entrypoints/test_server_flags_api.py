@@ -145,3 +145,40 @@ def test_return_tokens_as_token_ids_flag_is_each_requests_default(force_usage_se
     own = c.completions.create(model="tiny", prompt="Once", max_tokens=3, logprobs=1,
                                extra_body={"ignore_eos": True, "return_tokens_as_token_ids": False})
     assert not any(token.startswith("token_id:") for token in own.choices[0].logprobs.tokens)
+
+
+@pytest.fixture(scope="module")
+def limited_server(tiny_llama):
+    server = RemoteServer([tiny_llama, "-O0", "--max-model-len", "512", "--kv-cache-memory-bytes", str(64 << 20),
+                           "--served-model-name", "tiny", "--max-num-queued-reqs", "1",
+                           "--metrics-namespace", "vllm"])
+    yield server
+    server.stop()
+
+
+def test_a_request_over_the_queue_limit_is_a_503_and_counted(limited_server):
+    """vLLM's --max-num-queued-reqs: past the limit a request is refused at once with a 503 in
+    OpenAI's shape (a status the openai client retries), counted by reason, under vLLM's metric
+    names with --metrics-namespace vllm; once the request in flight ends, requests are admitted."""
+    c = client(limited_server)
+    stream = c.completions.create(model="tiny", prompt="Once", max_tokens=400, stream=True,
+                                  extra_body={"ignore_eos": True})
+    next(iter(stream))  # in flight
+    with pytest.raises(openai.InternalServerError) as refused:
+        c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
+    assert refused.value.status_code == 503
+    error = refused.value.body
+    assert error["code"] == "max_num_queued_reqs" and error["message"].startswith("The engine is currently busy")
+    metrics = httpx.get(limited_server.url + "/metrics", timeout=TIMEOUT).text
+    assert 'vllm:admission_rejections_total{model_name="tiny",reason="max_num_queued_reqs"} 1.0' in metrics
+    assert "vllm:num_requests_running" in metrics and "compiled_llm:" not in metrics
+    stream.close()  # the server aborts it on the disconnect
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            out = c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
+            break
+        except openai.InternalServerError:
+            assert time.monotonic() < deadline, "the aborted request's place was never freed"
+            time.sleep(0.05)
+    assert out.usage.completion_tokens <= 2

@@ -419,7 +419,8 @@ def run_server(
     engine: AsyncLLM | None = None
     try:
         engine = AsyncLLM(config or engine_args.create_engine_config(), server_args.engine_timeout,
-                          server_args.stream_interval, engine=engine_core, wait_ready=False)
+                          server_args.stream_interval, engine=engine_core, wait_ready=False,
+                          admission=server_args.admission_limits(), metrics_namespace=server_args.metrics_namespace)
         # While the engine loads: the app, then this process's start-up heap is made (the server
         # stack, the tokenizer), so the collection that freezes it is off the path to ready.
         server = make_http_server(engine, server_args)

@@ -87,7 +87,8 @@ def run_api_server_process(
     try:
         engine = AsyncLLM(config, server_args.engine_timeout, server_args.stream_interval,
                           engine=AttachedEngine(engine_pid, input_address, output_address, handshake),
-                          client_index=index)
+                          client_index=index, admission=server_args.admission_limits(),
+                          metrics_namespace=server_args.metrics_namespace)
     except (EngineStartupError, ValueError, OSError) as e:
         logger.error("API server %d could not start: %s", index, e)
         sys.exit(1)

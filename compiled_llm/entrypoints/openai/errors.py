@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from compiled_llm.engine.admission import EngineBusyError
 from compiled_llm.engine.core_client import EngineDeadError
 from compiled_llm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 from compiled_llm.logger import init_logger
@@ -101,6 +102,11 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         return error_response(str(exc.detail), exc.status_code)
+
+    @app.exception_handler(EngineBusyError)
+    async def engine_busy(request: Request, exc: EngineBusyError) -> JSONResponse:
+        # 503: clients (the openai client retries it) and load balancers try again, here or elsewhere.
+        return error_response(str(exc), 503, code=exc.reason)
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from compiled_llm.engine.arg_utils import CliArgs, positive_int, setting
+from compiled_llm.config import METRICS_NAMESPACES
+from compiled_llm.engine.admission import AdmissionLimits
+from compiled_llm.engine.arg_utils import CliArgs, non_negative_int, positive_int, setting
 from compiled_llm.entrypoints.chat_utils import CONTENT_FORMATS, load_chat_template
 from compiled_llm.entrypoints.openai.lora_modules import LoRAModulePath, parse_lora_module
 from compiled_llm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
@@ -76,9 +78,27 @@ class ServerArgs(CliArgs):
         1, "API server processes in front of the one engine core, sharing the port (each new connection goes to "
         "one of them): one process streams on the order of 10k tokens/s, a GPU can decode more at a large batch "
         "(default: 1).", group=SERVER, parse=positive_int, metavar="N")
+    max_num_queued_reqs: int | None = setting(
+        None, "Refuse a request with a 503 (retry later or elsewhere) when the sequences in flight, waiting or "
+        "running, would exceed N (a request of n samples counts n; per API server process; default: no limit).",
+        group=SERVER, parse=non_negative_int, metavar="N")
+    max_num_queued_tokens: int | None = setting(
+        None, "Refuse a request with a 503 while the prompts not yet through their prefill hold N tokens or more: "
+        "a bound on time to first token (per API server process; default: no limit).", group=SERVER,
+        parse=non_negative_int, metavar="N")
+    metrics_namespace: str = setting(
+        METRICS_NAMESPACES[0], "The prefix of the Prometheus metrics' names: compiled_llm (compiled_llm:num_requests_"
+        "running, ...; default) or vllm (vllm:num_requests_running, ...: the same metrics under vLLM's names, for "
+        "dashboards and alerts made for vLLM).", group=SERVER, choices=METRICS_NAMESPACES)
     engine_timeout: float = setting(
         120.0, "Seconds without any engine output, while requests are open, after which the engine counts as hung "
         "and the server exits (default: 120).", group=SERVER)
+
+    def admission_limits(self) -> AdmissionLimits | None:
+        """The frontend's queue limits, None without any."""
+        if self.max_num_queued_reqs is None and self.max_num_queued_tokens is None:
+            return None
+        return AdmissionLimits(self.max_num_queued_reqs, self.max_num_queued_tokens)
 
     def __post_init__(self) -> None:
         load_chat_template(self.chat_template)  # a file that cannot be read fails here, before the engine starts
