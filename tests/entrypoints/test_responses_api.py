@@ -260,7 +260,7 @@ def test_input_items_list_the_conversation(tiny_api_server):
 
     for kwargs, param in (({"limit": 0}, "limit"), ({"limit": 101}, "limit"), ({"order": "sideways"}, "order"),
                           ({"after": "msg_nowhere"}, "after"), ({"include": ["file_search_call.results"]}, "include")):
-        status, body = _error(lambda: c.responses.input_items.list(second.id, **kwargs))
+        status, body = _error(lambda kwargs=kwargs: c.responses.input_items.list(second.id, **kwargs))
         assert status == 400 and body["param"] == param, (kwargs, body)
     assert _error(lambda: c.responses.input_items.list("resp_nowhere"))[0] == 404
 
