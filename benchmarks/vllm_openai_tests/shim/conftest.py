@@ -77,9 +77,14 @@ class _ModelConfig:
 
 
 def _server_version() -> str:
-    """What `/version` reports is this server's own version, so tests compare with that."""
+    """What `/version` reports is the server's own version, so tests compare with that."""
     from importlib.metadata import version
 
+    if os.environ.get("VLLM_OPENAI_TESTS_SERVER") == "vllm":
+        sys.path.insert(0, os.environ["VLLM_OPENAI_TESTS_BENCHMARKS"])
+        import peer_vllm
+
+        return peer_vllm.VERSION
     return version("compiled-llm")
 
 

