@@ -70,6 +70,32 @@ def test_an_output_without_a_think_block_is_all_content(tiny_api_server):
     assert streamed(c, **forced("It is sunny.")) == {"reasoning": "", "content": "It is sunny.", "calls": []}
 
 
+def test_free_text_is_reasoning_until_the_block_closes(tiny_api_server):
+    """As vLLM 0.32 reads Qwen3 (whose newer templates open the block in the prompt): free text is
+    reasoning from its start; the tiny model never closes the block, so all it writes is reasoning,
+    in chat and in the Responses API. With thinking off (enable_thinking false, or reasoning effort
+    "none") it is all content."""
+    c = client(tiny_api_server)
+    base = {"model": "tiny", "messages": MESSAGES, "max_tokens": 8, "temperature": 0}
+    thought = c.chat.completions.create(**base, extra_body={"ignore_eos": True}).choices[0].message
+    assert thought.reasoning and not thought.content
+    assert streamed(c, **base, extra_body={"ignore_eos": True}) == {"reasoning": thought.reasoning, "content": "",
+                                                                    "calls": []}
+    off = {"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}}
+    answer = c.chat.completions.create(**base, extra_body=off).choices[0].message
+    assert answer.reasoning is None and answer.content
+    response = c.responses.create(model="tiny", input=MESSAGES[0]["content"], max_output_tokens=8, temperature=0)
+    assert [item.type for item in response.output] == ["reasoning"] and response.output_text == ""
+    assert response.usage.output_tokens_details.reasoning_tokens > 0
+    with c.responses.stream(model="tiny", input=MESSAGES[0]["content"], max_output_tokens=8, temperature=0) as stream:
+        streamed_response = stream.get_final_response()
+    assert [item.type for item in streamed_response.output] == ["reasoning"]
+    assert streamed_response.output[0].content[0].text == response.output[0].content[0].text
+    answered = c.responses.create(model="tiny", input=MESSAGES[0]["content"], max_output_tokens=8, temperature=0,
+                                  reasoning={"effort": "none"})
+    assert answered.output_text and not any(item.type == "reasoning" for item in answered.output)
+
+
 def test_tool_calls_are_parsed_after_the_reasoning(tiny_api_server):
     c = client(tiny_api_server)
     # A <tool_call> inside the reasoning is thought, not a call; the one after it is the call.

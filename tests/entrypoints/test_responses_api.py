@@ -194,18 +194,19 @@ def test_store_is_off_by_default(api_server):
 
 def test_previous_response_get_and_delete(tiny_api_server):
     c = client(tiny_api_server)
+    plain = {"effort": "none"}  # no thinking: the tiny model's words are the message (the server parses qwen3)
     first = c.responses.create(model="tiny", input="Hello", instructions="Be kind.", max_output_tokens=5,
-                               temperature=0)
+                               temperature=0, reasoning=plain)
     assert first.store is True
     assert c.responses.retrieve(first.id).model_dump() == first.model_dump()
     second = c.responses.create(model="tiny", input="Again", previous_response_id=first.id, max_output_tokens=5,
-                                temperature=0)
+                                temperature=0, reasoning=plain)
     assert second.previous_response_id == first.id
     # The prompt: the first input and output, then the new input; the old instructions are not kept.
     messages = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": first.output_text},
                 {"role": "user", "content": "Again"}]
-    tokenized = httpx.post(tiny_api_server.url + "/tokenize", json={"model": "tiny", "messages": messages},
-                           timeout=TIMEOUT).json()
+    tokenized = httpx.post(tiny_api_server.url + "/tokenize", timeout=TIMEOUT, json={
+        "model": "tiny", "messages": messages, "chat_template_kwargs": {"enable_thinking": False}}).json()
     assert second.usage.input_tokens == tokenized["count"]
 
     with c.responses.stream(model="tiny", input="Once more", previous_response_id=second.id,
@@ -270,11 +271,14 @@ def test_output_logprobs_and_response_messages(tiny_api_server):
     alternatives, the same as chat's, whole and streamed (each delta with its own tokens'); vLLM's
     enable_response_messages: the prompt and the output as the model saw and wrote them."""
     c = client(tiny_api_server)
+    # Thinking off (the server's qwen3 parser would read the tiny model's words as reasoning): as
+    # vLLM, reasoning effort "none" is the template's enable_thinking false, which chat is given.
     kwargs = {"model": "tiny", "input": "Hello", "max_output_tokens": 6, "temperature": 0,
-              "include": ["message.output_text.logprobs"], "top_logprobs": 3}
+              "include": ["message.output_text.logprobs"], "top_logprobs": 3, "reasoning": {"effort": "none"}}
     whole = c.responses.create(**kwargs, extra_body={"enable_response_messages": True})
     chat = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=6,
-                                     temperature=0, logprobs=True, top_logprobs=3)
+                                     temperature=0, logprobs=True, top_logprobs=3,
+                                     extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     logprobs = whole.output[0].content[0].logprobs
     expected = chat.choices[0].logprobs.content
     assert [lp.token for lp in logprobs] == [lp.token for lp in expected]
@@ -285,7 +289,8 @@ def test_output_logprobs_and_response_messages(tiny_api_server):
         assert len(got.top_logprobs) == 3
     raw_in, raw_out = whole.input_messages[0], whole.output_messages[0]
     assert raw_in["type"] == raw_out["type"] == "raw_message_tokens"
-    assert raw_in["message"].endswith("assistant\n") and len(raw_in["tokens"]) == whole.usage.input_tokens
+    assert raw_in["message"].endswith("assistant\n<think>\n\n</think>\n\n")
+    assert len(raw_in["tokens"]) == whole.usage.input_tokens
     assert len(raw_out["tokens"]) == whole.usage.output_tokens and raw_out["message"]
     events = list(c.responses.create(stream=True, **kwargs))
     deltas = [e for e in events if e.type == "response.output_text.delta"]
@@ -294,7 +299,8 @@ def test_output_logprobs_and_response_messages(tiny_api_server):
     final = events[-1].response
     assert [lp.token for lp in final.output[0].content[0].logprobs] == [lp.token for lp in logprobs]
     assert final.input_messages is None
-    plain = c.responses.create(model="tiny", input="Hello", max_output_tokens=2, top_logprobs=3)
+    plain = c.responses.create(model="tiny", input="Hello", max_output_tokens=2, top_logprobs=3,
+                               reasoning={"effort": "none"})
     assert plain.output[0].content[0].logprobs is None  # not asked for by `include`
 
 

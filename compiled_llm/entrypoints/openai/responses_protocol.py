@@ -69,8 +69,10 @@ class ResponsesRequest(RequestModel):
     stream: bool = False
     background: bool = False  # refused when true, with a 400 that says why
     previous_response_id: str | None = None
-    # Accepted and echoed; nothing here acts on it (the reasoning parser decides what is reasoning).
+    # Echoed; as vLLM, its `effort` reaches the chat template (`reasoning_effort`, and `enable_thinking`
+    # false for "none", true otherwise, unless chat_template_kwargs says), the parser then splitting.
     reasoning: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more keyword arguments of the template
     include: list[str] | None = None  # what this server can add (a 400 names the rest)
     # The sampled tokens' logprobs and this many alternatives each, on the output text, only when
     # `include` names message.output_text.logprobs (as OpenAI and vLLM).

@@ -63,8 +63,9 @@ class ServerArgs(CliArgs):
         False, "Count the requests in progress on the generation routes, for GET /load (as vLLM).", group=SERVER)
     reasoning_parser: str | None = setting(
         None, "Split the model's thinking from its answer into the message's `reasoning` (and `reasoning_content`), "
-        "streamed as their own deltas: qwen3 (an output that opens <think>...</think>) or deepseek_r1 (reasoning "
-        "from the output's start until </think>, the template having opened the block).", group=SERVER,
+        "streamed as their own deltas: qwen3 (as vLLM 0.32: reasoning from the output's start until </think> or a "
+        "<tool_call>; all content with chat_template_kwargs enable_thinking false) or deepseek_r1 (reasoning from "
+        "the output's start until </think>, the template having opened the block).", group=SERVER,
         choices=REASONING_PARSERS)
     lora_modules: list[LoRAModulePath] | None = setting(
         None, "LoRA adapters a request may name as its `model`: name=path (a PEFT folder) or JSON "

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -30,8 +30,11 @@ from compiled_llm.entrypoints.openai.protocol import (
     ToolCall,
     UsageInfo,
 )
-from compiled_llm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS, ReasoningParser, ReasoningStreamer
-from compiled_llm.entrypoints.openai.reasoning_parsers.think import Qwen3ReasoningParser
+from compiled_llm.entrypoints.openai.reasoning_parsers import (
+    ReasoningParser,
+    ReasoningStreamer,
+    request_reasoning_parser,
+)
 from compiled_llm.entrypoints.openai.serving_engine import (
     OpenAIServing,
     event_stream,
@@ -166,13 +169,9 @@ class OpenAIServingChat(OpenAIServing):
         if structured is not None and tools.constrains_output:
             raise OpenAIError("You can only either use constraints for structured outputs or tools, not both: "
                               f"tool_choice {tools.mode} constrains the output already.", param="tool_choice")
-        # Calls that tool_choice constrains have no reasoning to split off. The request's own constraint
-        # shapes the whole output here (vLLM's grammar waits for the reasoning to end): only a block
-        # the output opens itself is reasoning then, however the parser reads free text.
         reasoning = self.server_args.reasoning_parser
-        reasoning_parser = None
-        if reasoning and not tools.constrains_output:
-            reasoning_parser = REASONING_PARSERS[reasoning] if structured is None else Qwen3ReasoningParser
+        reasoning_parser = request_reasoning_parser(reasoning, tools.constrains_output, structured is not None,
+                                                    request.chat_template_kwargs)
         structured = structured or tools.structured_outputs()
         text, ids = await self.render(request.messages, request.generation_prompt, request.chat_template,
                                       self.template_kwargs(request, tools.template_tools), request.add_special_tokens)
@@ -345,7 +344,7 @@ class _Reply:
     prompt_text: str
     num_top: int
     echo: str  # the assistant message it continues, repeated in front of the reply (vLLM's echo)
-    reasoning_parser: type[ReasoningParser] | None = None  # None: no reasoning to split off
+    reasoning_parser: Callable[[], ReasoningParser] | None = None  # None: no reasoning to split off
     shows_reasoning: bool = False  # the server has a reasoning parser: messages carry `reasoning`
 
     def new_reasoning_streamer(self) -> ReasoningStreamer | None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Callable, Iterator
 
 import pydantic
 from fastapi import Request
@@ -35,8 +35,11 @@ from compiled_llm.entrypoints.openai.chat_tools import ToolPlan, plan_tools
 from compiled_llm.entrypoints.openai.errors import OpenAIError
 from compiled_llm.entrypoints.openai.logprobs import chat_logprobs
 from compiled_llm.entrypoints.openai.protocol import ChatCompletionRequest
-from compiled_llm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS, ReasoningParser, ReasoningStreamer
-from compiled_llm.entrypoints.openai.reasoning_parsers.think import Qwen3ReasoningParser
+from compiled_llm.entrypoints.openai.reasoning_parsers import (
+    ReasoningParser,
+    ReasoningStreamer,
+    request_reasoning_parser,
+)
 from compiled_llm.entrypoints.openai.responses_protocol import (
     ContentPartEvent,
     FunctionCallArgumentsDoneEvent,
@@ -258,6 +261,17 @@ def _validation_error(e: pydantic.ValidationError) -> OpenAIError:
     return OpenAIError(f"Invalid request: {loc}: {first.get('msg')}", param=loc or None)
 
 
+def template_kwargs(request: ResponsesRequest) -> dict[str, Any] | None:
+    """The chat template's keyword arguments: the request's own, and vLLM's reading of
+    `reasoning.effort` (as `reasoning_effort`, and thinking on unless it is "none")."""
+    kwargs = dict(request.chat_template_kwargs or {})
+    effort = (request.reasoning or {}).get("effort")
+    if effort is not None:
+        kwargs.setdefault("reasoning_effort", effort)
+        kwargs.setdefault("enable_thinking", effort != "none")
+    return kwargs or None
+
+
 def chat_request(request: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
     """The chat completion request that `request` amounts to."""
     body = {
@@ -268,6 +282,7 @@ def chat_request(request: ResponsesRequest, messages: list[dict[str, Any]]) -> C
         "repetition_penalty": request.repetition_penalty, "stop": request.stop, "ignore_eos": request.ignore_eos,
         "skip_special_tokens": request.skip_special_tokens, "priority": request.priority,
         "include_stop_str_in_output": request.include_stop_str_in_output,
+        "chat_template_kwargs": template_kwargs(request),
     }
     try:
         return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
@@ -282,7 +297,7 @@ class _Turn:
     request: ResponsesRequest
     response_id: str
     tools: ToolPlan
-    reasoning_parser: type[ReasoningParser] | None
+    reasoning_parser: Callable[[], ReasoningParser] | None
     prompt_token_ids: list[int]
     conversation: list[dict[str, Any]]  # earlier turns' items and this input: what a continuation prepends
     created_at: int
@@ -338,10 +353,8 @@ class OpenAIServingResponses:
         if structured is not None and tools.constrains_output:
             raise OpenAIError(f"Give text.format or tool_choice {tools.mode}, not both: both constrain the output.",
                               param="tool_choice")
-        reasoning = chat.server_args.reasoning_parser
-        reasoning_parser = None
-        if reasoning and not tools.constrains_output:  # as chat: a constrained output has no reasoning
-            reasoning_parser = REASONING_PARSERS[reasoning] if structured is None else Qwen3ReasoningParser
+        reasoning_parser = request_reasoning_parser(chat.server_args.reasoning_parser, tools.constrains_output,
+                                                    structured is not None, creq.chat_template_kwargs)
         structured = structured or tools.structured_outputs()
         text, ids = await chat.render(creq.messages, True, None, chat.template_kwargs(creq, tools.template_tools))
         try:
@@ -445,7 +458,9 @@ class OpenAIServingResponses:
             text = extracted.content or ""  # constrained output cut short: no call, no content
         if extracted is not None:
             calls = [FunctionToolCall(name=f.name, arguments=f.arguments) for f in extracted.calls]
-        if text or not calls:  # as vLLM: every output token's logprob is the message's
+        # A message when there are words, or nothing else to show (as vLLM: every output token's
+        # logprob is the message's); a thought cut short before any answer is a reasoning item alone.
+        if text or not (calls or reasoning):
             output.append(OutputMessage(status="incomplete" if truncated else "completed",
                                         content=[OutputText(text=text,
                                                             logprobs=turn.logprobs(c.token_ids, c.logprobs or []))]))
@@ -489,8 +504,8 @@ class OpenAIServingResponses:
             for d in calls:
                 for e in state.call_delta(d.index, d.name if d.id is not None else None, d.arguments):
                     yield e
-        if not any(isinstance(item, (OutputMessage, FunctionToolCall)) for item in state.output):
-            for e in state.open_message():  # no words and no call: an empty message, as when not streamed
+        if not any(isinstance(item, (OutputMessage, FunctionToolCall, ReasoningItem)) for item in state.output):
+            for e in state.open_message():  # nothing at all: an empty message, as when not streamed
                 yield e
         for e in state.close("incomplete" if truncated else "completed"):
             yield e
