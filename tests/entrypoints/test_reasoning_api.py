@@ -81,9 +81,19 @@ def test_free_text_is_reasoning_until_the_block_closes(tiny_api_server):
     assert thought.reasoning and not thought.content
     assert streamed(c, **base, extra_body={"ignore_eos": True}) == {"reasoning": thought.reasoning, "content": "",
                                                                     "calls": []}
+    # As vLLM, the usage counts the reasoning's tokens, hidden or not, whole or streamed.
+    hidden = c.chat.completions.create(**base, extra_body={"ignore_eos": True, "include_reasoning": False})
+    assert hidden.choices[0].message.reasoning is None
+    assert hidden.usage.completion_tokens_details.reasoning_tokens > 0
+    last = list(c.chat.completions.create(**base, stream=True, stream_options={"include_usage": True},
+                                          extra_body={"ignore_eos": True}))[-1]
+    counted = hidden.usage.completion_tokens_details.reasoning_tokens
+    assert last.usage.completion_tokens_details.reasoning_tokens == counted
     off = {"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}}
-    answer = c.chat.completions.create(**base, extra_body=off).choices[0].message
+    answered = c.chat.completions.create(**base, extra_body=off)
+    answer = answered.choices[0].message
     assert answer.reasoning is None and answer.content
+    assert answered.usage.completion_tokens_details.reasoning_tokens == 0
     response = c.responses.create(model="tiny", input=MESSAGES[0]["content"], max_output_tokens=8, temperature=0)
     assert [item.type for item in response.output] == ["reasoning"] and response.output_text == ""
     assert response.usage.output_tokens_details.reasoning_tokens > 0

@@ -23,6 +23,7 @@ from compiled_llm.entrypoints.openai.protocol import (
     ChatCompletionResponseChoice,
     ChatMessage,
     ChatResponseMessage,
+    CompletionTokensDetails,
     DeltaFunctionCall,
     DeltaMessage,
     DeltaToolCall,
@@ -238,9 +239,11 @@ class OpenAIServingChat(OpenAIServing):
                 token_ids=list(c.token_ids) if request.return_token_ids else None,
             ))
         completion_tokens = sum(len(c.token_ids) for c in out.outputs)
+        usage = self.usage_info(len(reply.prompt_token_ids), completion_tokens, out.num_cached_tokens)
+        await self._count_reasoning(reply, usage, [c.text for c in out.outputs])
         return ChatCompletionResponse(
             id=reply.request_id, model=self.model_name(request.model), choices=choices,
-            usage=self.usage_info(len(reply.prompt_token_ids), completion_tokens, out.num_cached_tokens),
+            usage=usage,
             prompt_logprobs=prompt_logprobs_out(out.prompt_logprobs) if request.prompt_logprobs is not None else None,
             prompt_token_ids=reply.prompt_token_ids if request.return_token_ids else None,
             prompt_text=reply.prompt_text if request.return_prompt_text else None,
@@ -295,7 +298,21 @@ class OpenAIServingChat(OpenAIServing):
                 )], usage_now())
                 state.token_ids, state.logprobs = [], []
         if request.usage_in_stream:
-            yield chunk([], self.usage_info(len(reply.prompt_token_ids), completion_tokens, cached))
+            usage = self.usage_info(len(reply.prompt_token_ids), completion_tokens, cached)
+            await self._count_reasoning(reply, usage, [state.text for state in choices.values()])
+            yield chunk([], usage)
+
+    async def _count_reasoning(self, reply: _Reply, usage: UsageInfo, texts: list[str]) -> None:
+        """As vLLM, a server with a reasoning parser gives usage.completion_tokens_details with the
+        reasoning's tokens (the reasoning text tokenized again), hidden by include_reasoning or not."""
+        if not reply.shows_reasoning:
+            return
+        count = 0
+        if reply.reasoning_parser is not None:
+            for text in texts:
+                reasoning = reply.reasoning_parser().split(text, final=True).reasoning
+                count += len(await self.engine.tokenize(reasoning, False)) if reasoning else 0
+        usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=count)
 
     @staticmethod
     def _delta(reply: _Reply, state: _ChoiceStream, c: CompletionOutput) -> dict[str, Any] | DeltaMessage | None:
