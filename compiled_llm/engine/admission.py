@@ -53,10 +53,11 @@ class AdmissionLimits:
             if value is not None and value < 0:
                 raise ValueError(f"{name} must be >= 0, got {value}.")
 
-    def check(self, in_flight: Mapping[str, RequestState], n: int) -> None:
+    def check(self, in_flight: Mapping[str, RequestState], n: int, admitting: int = 0) -> None:
         """Raise EngineBusyError when a request of `n` sequences may not join `in_flight` (the
-        frontend's requests, one per sequence)."""
-        if self.max_num_queued_reqs is not None and len(in_flight) + n > self.max_num_queued_reqs:
+        frontend's requests, one per sequence) and the `admitting` sequences admitted already but
+        not yet among them (still being tokenized)."""
+        if self.max_num_queued_reqs is not None and len(in_flight) + admitting + n > self.max_num_queued_reqs:
             raise EngineBusyError("max_num_queued_reqs")
         if self.max_num_queued_tokens is not None:
             backlog = sum(len(state.prompt_token_ids) for state in in_flight.values() if not state.token_ids)

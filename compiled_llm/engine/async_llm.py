@@ -117,6 +117,7 @@ class AsyncLLM:
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}.")
         self.stream_interval = stream_interval
         self.admission = admission
+        self._admitting = 0  # sequences admitted whose requests are still being tokenized and registered
         self.config = config
         self.model_config = config.model_config
         # One engine core process, or a data-parallel group of them behind this frontend. A single
@@ -218,16 +219,19 @@ class AsyncLLM:
         await self.check_health()
         if request_id in self._streams:
             raise ValueError(f"Request id {request_id!r} is already in use.")
+        # Admitted requests count from here, though they join the output processor's only once
+        # tokenized: a burst of requests all checked before the first is registered is bounded too.
+        admitted = params.n if isinstance(params, SamplingParams) and self.admission is not None else 1
         if self.admission is not None:
-            num_sequences = params.n if isinstance(params, SamplingParams) else 1
             try:
-                self.admission.check(self.output_processor.states, num_sequences)
+                self.admission.check(self.output_processor.states, admitted, self._admitting)
             except EngineBusyError as e:
                 self.metrics.record_admission_rejection(e.reason)
                 raise
         delta = isinstance(params, SamplingParams) and params.output_kind == RequestOutputKind.DELTA
         stream = RequestStream(request_id, delta, self._forget, self.stream_interval)
         self._streams[request_id] = stream
+        self._admitting += admitted
         try:
             loop = asyncio.get_running_loop()
             request, text = await loop.run_in_executor(
@@ -246,6 +250,8 @@ class AsyncLLM:
             self._streams.pop(request_id, None)
             self.output_processor.abort_requests(stream.engine_ids)
             raise
+        finally:
+            self._admitting -= admitted
         return stream
 
     async def generate(

@@ -29,9 +29,9 @@ def states(*prompts_and_outputs: tuple[int, int]) -> dict[str, SimpleNamespace]:
             for i, (p, g) in enumerate(prompts_and_outputs)}
 
 
-def refusal(limits: AdmissionLimits, in_flight: dict, n: int = 1) -> str | None:
+def refusal(limits: AdmissionLimits, in_flight: dict, n: int = 1, admitting: int = 0) -> str | None:
     try:
-        limits.check(in_flight, n)
+        limits.check(in_flight, n, admitting)
     except EngineBusyError as e:
         return e.reason
     return None
@@ -42,6 +42,8 @@ def test_the_rules():
     assert refusal(reqs, states((5, 0), (5, 9))) is None  # 2 + 1 fit in 3
     assert refusal(reqs, states((5, 0), (5, 9)), n=2) == "max_num_queued_reqs"  # every sample counts
     assert refusal(reqs, states((5, 0), (5, 9), (1, 1))) == "max_num_queued_reqs"
+    assert refusal(reqs, states((5, 0)), n=1, admitting=1) is None
+    assert refusal(reqs, states((5, 0)), n=1, admitting=2) == "max_num_queued_reqs"  # admitted, not yet in flight
     tokens = AdmissionLimits(max_num_queued_tokens=100)
     # Only prompts with no output yet are a backlog; a request decoding is past its prefill.
     assert refusal(tokens, states((60, 0), (500, 3), (39, 0))) is None
@@ -89,3 +91,21 @@ def test_an_engine_refuses_past_its_limit_and_admits_again(loop, engine):
         del pair
 
     run(loop, main())
+
+
+def test_a_burst_is_bounded_too(loop, engine):
+    """Requests sent at once are all checked before the first is tokenized and registered: the
+    ones admitted but still being tokenized count against the limit."""
+    async def one(i: int) -> str:
+        try:
+            stream = await engine.add_request(f"burst-{i}", "Once upon a time " * 20, LONG)
+        except EngineBusyError:
+            return "refused"
+        await engine.abort(stream.request_id)
+        return "admitted"
+
+    async def main() -> list[str]:
+        return await asyncio.gather(*(one(i) for i in range(8)))
+
+    outcomes = run(loop, main())
+    assert outcomes.count("admitted") == 3 and outcomes.count("refused") == 5, outcomes
