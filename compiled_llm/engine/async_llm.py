@@ -221,7 +221,7 @@ class AsyncLLM:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         # Admitted requests count from here, though they join the output processor's only once
         # tokenized: a burst of requests all checked before the first is registered is bounded too.
-        admitted = params.n if isinstance(params, SamplingParams) and self.admission is not None else 1
+        admitted = params.n if isinstance(params, SamplingParams) else 1  # sequences: one per sample
         if self.admission is not None:
             try:
                 self.admission.check(self.output_processor.states, admitted, self._admitting)
